@@ -1,0 +1,36 @@
+"""plainformer: the Transformer from first principles, exact, fast and readable next to the paper.
+
+    import plainformer as pf
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_product_attention
+from .config import Config
+from .feedforward import FeedForward
+from .kv_cache import KVCache
+from .layers import Encoder, EncoderLayer
+from .normalization import RMSNorm
+from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .rope import RotaryEmbedding
+
+try:
+    __version__ = version("plainformer")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0"
+
+__all__ = [
+    "Config",
+    "Encoder",
+    "EncoderLayer",
+    "FeedForward",
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "attention",
+    "causal_mask",
+    "scaled_dot_product_attention",
+]

@@ -1,0 +1,113 @@
+"""Argument checks for the public boundary.
+
+Every public function validates its inputs once, here, so that a user sees a `ValueError` or
+`TypeError` naming the argument, what was received and what was expected, instead of a crash deep
+inside torch. Nothing in this module knows about the Transformer; it only phrases errors.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def check_probability(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
+    if value % divisor != 0:
+        raise ValueError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None,
+                 shape_doc: str = "") -> Tensor:
+    """`x` is a tensor whose rank is `ndim` (or one of several ranks); `shape_doc` names the axes."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    ranks = (ndim,) if isinstance(ndim, int) else ndim
+    if ranks is not None and x.dim() not in ranks:
+        expected = " or ".join(str(r) for r in ranks)
+        doc = f" {shape_doc}" if shape_doc else ""
+        raise ValueError(f"{name} must have {expected} dimensions{doc}, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_min_rank(name: str, x: object, min_ndim: int, shape_doc: str) -> Tensor:
+    check_tensor(name, x)
+    if x.dim() < min_ndim:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions {shape_doc}, "
+                         f"got shape {tuple(x.shape)}")  # type: ignore[union-attr]
+    return x  # type: ignore[return-value]
+
+
+def check_floating(name: str, x: Tensor) -> Tensor:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def check_same_dtype_device(**tensors: Tensor) -> None:
+    """All tensors share one dtype and one device (q, k and v, say)."""
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name in names[1:]:
+        other = tensors[name]
+        if other.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {other.dtype} but {names[0]} has {first.dtype}; "
+                            "they must match")
+        if other.device != first.device:
+            raise ValueError(f"{name} is on {other.device} but {names[0]} is on {first.device}; "
+                             "they must be on the same device")
+
+
+def check_last_dim(name: str, x: Tensor, size: int, what: str) -> None:
+    if x.shape[-1] != size:
+        raise ValueError(f"{name} must have last dimension {what} = {size}, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def check_broadcastable(name: str, x: Tensor, target: Sequence[int], target_doc: str) -> None:
+    try:
+        torch.broadcast_shapes(tuple(x.shape), tuple(target))
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(x.shape)} is not broadcastable to "
+                         f"{target_doc} = {tuple(target)}") from None
+
+
+def check_token_ids(name: str, idx: object, vocab_size: int, *, ndim: int = 2,
+                    shape_doc: str = "(B, n)") -> Tensor:
+    """Integer token ids of rank `ndim`, each in [0, vocab_size)."""
+    idx = check_tensor(name, idx, ndim=ndim, shape_doc=shape_doc)
+    if idx.dtype not in (torch.long, torch.int, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {idx.dtype}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab_size):
+        raise ValueError(f"{name} holds ids in [{int(idx.min())}, {int(idx.max())}] but must be in "
+                         f"[0, {vocab_size}) (vocab_size={vocab_size})")
+    return idx
+
+
+def check_max_len(name: str, length: int, max_len: int, max_name: str = "max_len") -> None:
+    if length > max_len:
+        raise ValueError(f"{name} has length {length}, longer than {max_name}={max_len}")
