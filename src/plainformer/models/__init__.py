@@ -1,0 +1,3 @@
+"""The models built from plainformer's blocks: one module per family."""
+
+from .gpt import GPT, GPTConfig

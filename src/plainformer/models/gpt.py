@@ -1,0 +1,235 @@
+"""A GPT-style decoder-only language model (Radford et al. 2018, 2019).
+
+    h_0 = E[idx] (+ P[positions])                      token (+ learned or sinusoidal) embeddings
+    h_l = Block_l(h_{l-1}),  l = 1 .. n_layers         pre-LN blocks with causal self-attention
+    logits = Norm(h_L) Eᵀ                              output projection tied to E (optional)
+    loss = cross_entropy(logits, targets)              next-token prediction
+
+Each block is the pre-LN `EncoderLayer` with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
+With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
+Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
+residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _checks
+from ..attention import BACKENDS
+from ..config import Config
+from ..feedforward import ACTIVATIONS
+from ..generation import generate as generate_tokens
+from ..kv_cache import KVCache
+from ..layers import EncoderLayer
+from ..normalization import NORMS, make_norm
+from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from ..rope import RotaryEmbedding
+
+POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
+
+
+@dataclasses.dataclass
+class GPTConfig(Config):
+    """Shape and options of a `GPT`. vocab_size is usually set from the tokenizer at training time."""
+
+    vocab_size: int = 65
+    block_size: int = 256
+    n_layers: int = 6
+    n_heads: int = 6
+    n_kv_heads: int | None = None
+    d_model: int = 384
+    d_ff: int = 1536
+    dropout: float = 0.0
+    bias: bool = False
+    pos_encoding: str = "learned"
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    tie_weights: bool = True
+    backend: str = "auto"
+    rope_base: float = 10000.0
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
+        "nanogpt-cpu": dict(block_size=64, n_layers=4, n_heads=4, d_model=128, d_ff=512, dropout=0.0),
+        # nanoGPT's config/train_shakespeare_char.py.
+        "shakespeare-char": dict(block_size=256, n_layers=6, n_heads=6, d_model=384, d_ff=1536,
+                                 dropout=0.2),
+        # GPT-2 small, 124M parameters.
+        "gpt2": dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768,
+                     d_ff=3072, dropout=0.1, bias=True),
+        # The best model found for ~5 minutes on 2 CPU cores: see README, "Choosing the default".
+        "default": dict(block_size=128, n_layers=6, n_heads=6, n_kv_heads=None, d_model=288, d_ff=768,
+                        dropout=0.0, pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
+    }
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model", "d_ff"):
+            _checks.check_positive_int(name, getattr(self, name))
+        _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
+        if self.n_kv_heads is not None:
+            _checks.check_positive_int("n_kv_heads", self.n_kv_heads)
+            _checks.check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        _checks.check_probability("dropout", self.dropout)
+        _checks.check_choice("pos_encoding", self.pos_encoding, POSITION_ENCODINGS)
+        _checks.check_choice("norm", self.norm, NORMS)
+        _checks.check_choice("activation", self.activation, ACTIVATIONS)
+        _checks.check_choice("backend", self.backend, BACKENDS)
+        if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"pos_encoding='rope' needs an even head dimension d_model/n_heads, "
+                             f"got {self.d_model}/{self.n_heads}")
+        if self.pos_encoding == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class GPT(nn.Module):
+    """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
+
+    family = "gpt"
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.tokenizer = None  # set by from_checkpoint
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position = self._make_position_encoding(config)
+        self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
+                     if config.pos_encoding == "rope" else None)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
+                         activation=config.activation, norm_first=True, n_kv_heads=config.n_kv_heads,
+                         norm=config.norm, bias=config.bias, backend=config.backend)
+            for _ in range(config.n_layers))
+        self.norm = make_norm(config.norm, config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.token_embedding.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.self_attn.W_o.weight, std=residual_std)
+            nn.init.normal_(block.ff.W_2.weight, std=residual_std)
+
+    @staticmethod
+    def _make_position_encoding(config: GPTConfig) -> nn.Module | None:
+        if config.pos_encoding == "learned":
+            return LearnedPositionalEmbedding(config.d_model, config.block_size)
+        if config.pos_encoding == "sinusoidal":
+            return SinusoidalPositionalEncoding(config.d_model, config.block_size)
+        return None
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters counted once (a tied output projection is the embedding)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.token_embedding.weight.numel()
+            if isinstance(self.position, LearnedPositionalEmbedding):
+                total -= self.position.embedding.weight.numel()
+        return total
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
+                kv_caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+        """idx (B, n) token ids -> logits (B, n, vocab_size) and the mean next-token loss.
+
+        targets (B, n): the token that follows each position; -100 marks positions to ignore.
+        kv_caches (one per block): decode incrementally; idx then holds the new positions only.
+        """
+        offset = self._check_forward(idx, targets, kv_caches)
+        x = self.token_embedding(idx)  # (B, n, d_model)
+        if self.position is not None:
+            x = self.position(x, offset=offset)
+        x = self.dropout(x)
+        for layer, block in enumerate(self.blocks):
+            cache = None if kv_caches is None else kv_caches[layer]
+            x = block(x, is_causal=True, rope=self.rope, kv_cache=cache)
+        logits = self.lm_head(self.norm(x))  # (B, n, vocab_size)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def _check_forward(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None) -> int:
+        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        offset = 0 if kv_caches is None else kv_caches[0].length
+        if offset + idx.shape[1] > self.config.block_size:
+            raise ValueError(f"idx has {idx.shape[1]} positions after {offset} cached ones, more than "
+                             f"block_size={self.config.block_size}")
+        if kv_caches is not None and len(kv_caches) != self.config.n_layers:
+            raise ValueError(f"kv_caches must hold one cache per layer ({self.config.n_layers}), "
+                             f"got {len(kv_caches)}")
+        if targets is not None:
+            _checks.check_tensor("targets", targets, ndim=2, shape_doc="(B, n)")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, "
+                                 f"got {tuple(targets.shape)}")
+        return offset
+
+    # ------------------------------------------------------------------ generation
+
+    def new_kv_caches(self, batch_size: int) -> list[KVCache]:
+        """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block."""
+        parameter = self.token_embedding.weight
+        n_kv_heads = self.config.n_kv_heads or self.config.n_heads
+        return [KVCache(batch_size, n_kv_heads, self.config.block_size, self.config.head_dim,
+                        dtype=parameter.dtype, device=parameter.device)
+                for _ in range(self.config.n_layers)]
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Extend prompts idx (B, n) by max_new_tokens sampled tokens -> (B, n + max_new_tokens).
+
+        temperature 0 is greedy decoding. Past block_size the context slides (see `generation`).
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            return generate_tokens(self, idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, use_cache=use_cache, generator=generator)
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "GPT":
+        """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
+        from ..checkpoint import load_checkpoint
+        from ..tokenizers import load_tokenizer
+
+        checkpoint = load_checkpoint(directory)
+        if checkpoint.family != cls.family:
+            raise ValueError(f"checkpoint {directory} holds a {checkpoint.family!r} model, not a GPT")
+        model = cls(GPTConfig.from_dict(checkpoint.model_config))
+        model.load_state_dict(checkpoint.state_dict)
+        model.to(map_location)
+        model.tokenizer = load_tokenizer(checkpoint.path)
+        return model.eval()
