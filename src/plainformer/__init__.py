@@ -9,7 +9,9 @@ from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_pr
 from .config import Config
 from .feedforward import FeedForward
 from .kv_cache import KVCache
+from .generation import generate, iter_generate, sample_next
 from .layers import Encoder, EncoderLayer
+from .models import GPT, GPTConfig
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
@@ -24,6 +26,8 @@ __all__ = [
     "Encoder",
     "EncoderLayer",
     "FeedForward",
+    "GPT",
+    "GPTConfig",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
@@ -32,5 +36,8 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "attention",
     "causal_mask",
+    "generate",
+    "iter_generate",
+    "sample_next",
     "scaled_dot_product_attention",
 ]
