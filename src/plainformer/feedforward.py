@@ -1,6 +1,7 @@
 """The position-wise feed-forward sublayer (Vaswani et al. 2017, section 3.3).
 
-    FFN(x) = act(x W_1 + b_1) W_2 + b_2,   act = ReLU (paper) or GELU (GPT, BERT)
+    FFN(x) = act(x W_1 + b_1) W_2 + b_2,   act = ReLU (paper), GELU (BERT) or its tanh
+                                            approximation "gelu_tanh" (GPT-2)
     SwiGLU:  FFN(x) = (SiLU(x W_1) ⊙ x W_3) W_2   (Shazeer 2020)
 
 applied to each position separately: (B, n, d_model) -> (B, n, d_ff) -> (B, n, d_model).
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 
 from . import _checks
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
 
 class FeedForward(nn.Module):
@@ -42,6 +43,8 @@ class FeedForward(nn.Module):
             hidden = F.relu(hidden)
         elif self.activation == "gelu":
             hidden = F.gelu(hidden)
+        elif self.activation == "gelu_tanh":
+            hidden = F.gelu(hidden, approximate="tanh")
         else:
             hidden = F.silu(hidden) * self.W_3(x)
         return self.W_2(self.dropout(hidden))
