@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .. import __version__
 from ..config import Config
+from ..training import TrainingInterrupted
 
 Command = Callable[[argparse.Namespace], dict[str, Any]]
 
@@ -89,11 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         metrics = args.run(args)
+    except TrainingInterrupted as stop:
+        log(f"plainformer: interrupted at step {stop.step}; checkpoint saved to {stop.checkpoint}; "
+            "continue with the same command and --resume")
+        emit_metrics({"interrupted": True, "step": stop.step, "checkpoint": str(stop.checkpoint)})
+        return 130
     except KeyboardInterrupt:
         log("plainformer: interrupted")
         return 130
-    except (UserError, ValueError, TypeError, FileNotFoundError, OSError) as error:
-        if isinstance(error, (ValueError, TypeError)) and not _raised_at_boundary(error):
+    except Exception as error:
+        if not _is_user_error(error):
             raise
         log(f"plainformer: error: {error}")
         return 2
@@ -101,11 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _raised_at_boundary(error: BaseException) -> bool:
-    """ValueError/TypeError from plainformer's own checks are user errors; ones from deep inside a
-    library are bugs and keep their traceback."""
-    traceback = error.__traceback__
-    while traceback is not None and traceback.tb_next is not None:
-        traceback = traceback.tb_next
-    module = traceback.tb_frame.f_globals.get("__name__", "") if traceback else ""
-    return module.startswith("plainformer") or isinstance(error, UserError)
+def _is_user_error(error: Exception) -> bool:
+    """UserError and file errors always are; a ValueError/TypeError is when plainformer's own checks
+    raised it (a bad value given by the user), not a library deep inside (a bug: keep the traceback)."""
+    if isinstance(error, (UserError, OSError)):
+        return True
+    if not isinstance(error, (ValueError, TypeError)):
+        return False
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_globals.get("__name__", "").startswith("plainformer")

@@ -59,20 +59,21 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     train_overrides = config_overrides(args, TrainConfig)
     if args.resume:
         checkpoint = load_checkpoint(out / "last")
-        data = prepare_lm_data(args.data, tokenizer=checkpoint.load_tokenizer())
         model_config = GPTConfig.from_dict(checkpoint.model_config)
-        if model_overrides:
-            raise UserError(f"--resume continues the saved model; drop the model options "
-                            f"{', '.join(sorted(model_overrides))}")
+        changed = sorted(k for k, v in model_overrides.items() if getattr(model_config, k) != v)
+        if changed:
+            raise UserError(f"--resume continues the saved model, whose {', '.join(changed)} differ "
+                            "from the options given; drop those options")
         train_config = TrainConfig.from_dict({**checkpoint.train_config, **train_overrides})
+        data = prepare_lm_data(args.data, tokenizer=checkpoint.load_tokenizer())
     else:
+        # Both configs are validated before the data is prepared, so a bad option fails at once.
+        model_config = GPTConfig.from_preset(args.preset, **model_overrides)
+        train_config = TrainConfig.from_dict({**_training_preset(args.preset), **train_overrides})
         kind = args.tokenizer or "char"
         data = prepare_lm_data(args.data, tokenizer=kind,
                                vocab_size=args.bpe_vocab_size if kind == "bpe" else None)
-        model_config = GPTConfig.from_preset(args.preset, **model_overrides,
-                                             vocab_size=data.tokenizer.vocab_size)
-        train_config = TrainConfig.from_dict({**_training_preset(args.preset), **train_overrides})
-
+        model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size)
     source = LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
                            seed=train_config.seed)
     log(f"data: {len(data.train_tokens):,} train / {len(data.val_tokens):,} validation tokens, "
