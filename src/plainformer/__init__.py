@@ -9,12 +9,15 @@ from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_pr
 from .config import Config
 from .feedforward import FeedForward
 from .kv_cache import KVCache
+from .data import (LMBatchSource, LMData, TextSplit, Work, build_tokenizer, load_split, load_text,
+                   prepare_lm_data, split_text, token_array)
 from .generation import generate, iter_generate, sample_next
 from .layers import Encoder, EncoderLayer
 from .models import GPT, GPTConfig
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
+from .tokenizers import BPETokenizer, CharTokenizer, Tokenizer, WordPieceTokenizer, load_tokenizer
 
 try:
     __version__ = version("plainformer")
@@ -22,6 +25,21 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0"
 
 __all__ = [
+    "BPETokenizer",
+    "CharTokenizer",
+    "LMBatchSource",
+    "LMData",
+    "TextSplit",
+    "Tokenizer",
+    "Work",
+    "WordPieceTokenizer",
+    "build_tokenizer",
+    "load_split",
+    "load_text",
+    "load_tokenizer",
+    "prepare_lm_data",
+    "split_text",
+    "token_array",
     "Config",
     "Encoder",
     "EncoderLayer",
