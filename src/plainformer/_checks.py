@@ -77,6 +77,15 @@ def check_same_dtype_device(**tensors: Tensor) -> None:
         if other.dtype != first.dtype:
             raise TypeError(f"{name} has dtype {other.dtype} but {names[0]} has {first.dtype}; "
                             "they must match")
+    check_same_device(**tensors)
+
+
+def check_same_device(**tensors: Tensor) -> None:
+    """All tensors live on one device."""
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name in names[1:]:
+        other = tensors[name]
         if other.device != first.device:
             raise ValueError(f"{name} is on {other.device} but {names[0]} is on {first.device}; "
                              "they must be on the same device")
@@ -108,6 +117,22 @@ def check_token_ids(name: str, idx: object, vocab_size: int, *, ndim: int = 2,
     return idx
 
 
+def check_index(name: str, value: object, size: int, size_name: str) -> int:
+    """An int in [0, size): a special token id, say."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < size:
+        raise ValueError(f"{name} must be in [0, {size_name}={size}), got {value}")
+    return value
+
+
 def check_max_len(name: str, length: int, max_len: int, max_name: str = "max_len") -> None:
     if length > max_len:
         raise ValueError(f"{name} has length {length}, longer than {max_name}={max_len}")
+
+
+def check_positions(name: str, offset: int, length: int, max_len: int) -> None:
+    """Positions offset .. offset+length-1 of `name` fit a table of max_len positions."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    check_max_len(f"{name} (offset included)", offset + length, max_len)

@@ -91,6 +91,8 @@ def causal_mask(n: int, m: int, *, offset: int = 0, device: torch.device | str |
     offset = 0 is torch's top-left convention; offset = m - n aligns the last query with the last key,
     which is what decoding with a KV cache of m - n past positions needs.
     """
+    _checks.check_positive_int("n", n)
+    _checks.check_positive_int("m", m)
     rows = torch.arange(n, device=device).unsqueeze(1)
     cols = torch.arange(m, device=device).unsqueeze(0)
     return cols <= rows + offset
@@ -332,7 +334,10 @@ class MultiHeadAttention(nn.Module):
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         for name, x in (("query", query), ("key", key), ("value", value)):
             _checks.check_tensor(name, x, ndim=3, shape_doc="(B, seq_len, d_model)")
+            _checks.check_floating(name, x)
             _checks.check_last_dim(name, x, self.d_model, "d_model")
+        # dtypes may differ under autocast (a LayerNorm output in float32 meets a bf16 query)
+        _checks.check_same_device(query=query, key=key, value=value)
         if key.shape[:2] != value.shape[:2]:
             raise ValueError(f"key and value must have the same (B, m), got key {tuple(key.shape)} "
                              f"and value {tuple(value.shape)}")

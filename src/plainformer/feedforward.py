@@ -38,6 +38,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (B, n, d_model) -> (B, n, d_model)."""
+        _checks.check_tensor("x", x)
+        _checks.check_last_dim("x", x, self.W_1.in_features, "d_model")
         hidden = self.W_1(x)  # (B, n, d_ff)
         if self.activation == "relu":
             hidden = F.relu(hidden)

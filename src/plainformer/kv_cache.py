@@ -31,6 +31,14 @@ class KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, H_kv, n, d_k) at positions length .. length+n-1; return all (B, H_kv, length, d_k)."""
+        batch, heads, _, head_dim = self._k.shape
+        for name, x in (("k", k), ("v", v)):
+            _checks.check_tensor(name, x, ndim=4, shape_doc="(B, H_kv, n, d_k)")
+            if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
+                raise ValueError(f"{name} must have shape (B, H_kv, n, d_k) = ({batch}, {heads}, n, "
+                                 f"{head_dim}) to fit the cache, got {tuple(x.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
         n = k.shape[-2]
         if self.length + n > self.max_len:
             raise ValueError(f"KV cache is full: {self.length} cached + {n} new positions exceed "

@@ -75,9 +75,11 @@ class Encoder(nn.Module):
                  norm_eps: float = 1e-5, backend: str = "auto"):
         super().__init__()
         _checks.check_positive_int("vocab_size", vocab_size)
+        _checks.check_positive_int("d_model", d_model)
         _checks.check_positive_int("n_layers", n_layers)
-        if pad_id is not None and not 0 <= pad_id < vocab_size:
-            raise ValueError(f"pad_id must be in [0, vocab_size={vocab_size}), got {pad_id}")
+        _checks.check_probability("dropout", dropout)
+        if pad_id is not None:
+            _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
         self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len)

@@ -26,6 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x: (..., d_model) -> same shape."""
+        _checks.check_tensor("x", x)
+        _checks.check_last_dim("x", x, self.weight.shape[0], "d_model")
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight

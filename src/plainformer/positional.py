@@ -44,9 +44,7 @@ def relative_shift_matrix(k: int, d_model: int) -> Tensor:
 def _check_sequence(x: Tensor, d_model: int, max_len: int, offset: int) -> None:
     _checks.check_tensor("x", x, ndim=3, shape_doc="(B, n, d_model)")
     _checks.check_last_dim("x", x, d_model, "d_model")
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
-    _checks.check_max_len("x (offset included)", offset + x.shape[1], max_len)
+    _checks.check_positions("x", offset, x.shape[1], max_len)
 
 
 class SinusoidalPositionalEncoding(nn.Module):

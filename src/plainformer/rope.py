@@ -45,9 +45,7 @@ class RotaryEmbedding(nn.Module):
         _checks.check_min_rank("x", x, 2, "(..., n, head_dim)")
         _checks.check_last_dim("x", x, self.head_dim, "head_dim")
         n = x.shape[-2]
-        if offset < 0 or offset + n > self.max_len:
-            raise ValueError(f"positions {offset}..{offset + n - 1} exceed the rotary table of "
-                             f"max_len={self.max_len}")
+        _checks.check_positions("x", offset, n, self.max_len)
         cos = self.cos[offset:offset + n].to(x.dtype)  # (n, d)
         sin = self.sin[offset:offset + n].to(x.dtype)
         return x * cos + rotate_half(x) * sin
