@@ -17,7 +17,8 @@ NORMS = ("layernorm", "rmsnorm")
 
 
 class RMSNorm(nn.Module):
-    """x / RMS(x) ⊙ weight over the last axis; computed in float32 for half-precision inputs."""
+    """x / RMS(x) ⊙ weight over the last axis; computed in at least float32 (half-precision inputs are
+    upcast for the mean of squares, float64 inputs stay float64)."""
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
@@ -29,8 +30,8 @@ class RMSNorm(nn.Module):
         """x: (..., d_model) -> same shape."""
         _checks.check_tensor("x", x)
         _checks.check_last_dim("x", x, self.weight.shape[0], "d_model")
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
 
 
