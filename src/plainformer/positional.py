@@ -17,21 +17,26 @@ from torch import Tensor, nn
 from . import _checks
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
-    """The (max_len, d_model) table PE, computed in float64 then stored in float32."""
+def _frequencies(d_model: int) -> Tensor:
+    """ω_i = 1 / 10000^(2i/d_model), i = 0 .. d_model/2-1, in float64: (d_model/2,)."""
+    if d_model % 2:
+        raise ValueError(f"d_model must be even for sinusoidal positional encoding, got {d_model}")
+    return torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+
+
+def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The (max_len, d_model) table PE, computed in float64 and returned in `dtype`."""
     position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
-    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64)
-                          * (-math.log(10000.0) / d_model))  # (d_model/2,) = 1/10000^(2i/d)
+    angles = position * _frequencies(d_model)  # (max_len, d_model/2)
     table = torch.empty(max_len, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(position * frequency)
-    table[:, 1::2] = torch.cos(position * frequency)
-    return table.float()
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.to(dtype)
 
 
 def relative_shift_matrix(k: int, d_model: int) -> Tensor:
-    """M_k (d_model, d_model), block-diagonal rotations with PE(pos + k) = M_k · PE(pos)."""
-    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64)
-                          * (-math.log(10000.0) / d_model))
+    """M_k (d_model, d_model) in float64, block-diagonal rotations with PE(pos + k) = M_k · PE(pos)."""
+    frequency = _frequencies(d_model)
     cos, sin = torch.cos(k * frequency), torch.sin(k * frequency)
     matrix = torch.zeros(d_model, d_model, dtype=torch.float64)
     even = torch.arange(0, d_model, 2)
@@ -54,8 +59,6 @@ class SinusoidalPositionalEncoding(nn.Module):
         super().__init__()
         _checks.check_positive_int("d_model", d_model)
         _checks.check_positive_int("max_len", max_len)
-        if d_model % 2:
-            raise ValueError(f"d_model must be even for sinusoidal positional encoding, got {d_model}")
         self.d_model, self.max_len = d_model, max_len
         self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
 
