@@ -1,0 +1,155 @@
+"""Bad input at the public boundary: each case raises the right exception type with a message that
+names the argument and what was received (its value, shape or dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plainformer as pf
+from plainformer.normalization import make_norm
+
+
+def _x(*shape: int, **kwargs) -> torch.Tensor:
+    return torch.zeros(*shape, **kwargs)
+
+
+def _mha(*inputs: torch.Tensor, **kwargs):
+    return pf.MultiHeadAttention(8, 2)(*inputs, **kwargs)
+
+
+def _encoder(**kwargs) -> pf.Encoder:
+    return pf.Encoder(**{"vocab_size": 10, "d_model": 8, "n_heads": 2, "d_ff": 16, "n_layers": 1,
+                         "max_len": 6, **kwargs})
+
+
+QKV = (_x(1, 2, 3, 4), _x(1, 2, 5, 4), _x(1, 2, 5, 4))
+
+# (id, call, exception type, fragments the message must contain)
+CASES = [
+    # ---- scaled_dot_product_attention / attention
+    ("q of rank 1", lambda: pf.scaled_dot_product_attention(_x(4), _x(3, 4), _x(3, 4)),
+     ValueError, ["q", "(4,)"]),
+    ("integer k", lambda: pf.attention(_x(3, 4), _x(3, 4, dtype=torch.long), _x(3, 4)),
+     TypeError, ["k", "torch.int64"]),
+    ("k dtype differs from q", lambda: pf.attention(_x(3, 4), _x(3, 4, dtype=torch.float64), _x(3, 4)),
+     TypeError, ["k", "torch.float64", "torch.float32"]),
+    ("v on another device", lambda: pf.attention(_x(3, 4), _x(3, 4), _x(3, 4, device="meta")),
+     ValueError, ["v", "meta", "cpu"]),
+    ("k head size differs from q", lambda: pf.attention(_x(3, 4), _x(3, 5), _x(3, 5)),
+     ValueError, ["k", "(3, 5)", "4"]),
+    ("v length differs from k", lambda: pf.attention(_x(3, 4), _x(5, 4), _x(6, 4)),
+     ValueError, ["v", "(6, 4)", "(5, 4)"]),
+    ("q and k ranks differ", lambda: pf.attention(_x(2, 3, 4), _x(3, 4), _x(3, 4)),
+     ValueError, ["q", "k", "(2, 3, 4)", "(3, 4)"]),
+    ("kv heads do not divide q heads", lambda: pf.attention(_x(1, 4, 3, 8), _x(1, 3, 3, 8), _x(1, 3, 3, 8)),
+     ValueError, ["heads", "(1, 4, 3, 8)", "(1, 3, 3, 8)"]),
+    ("mask not broadcastable", lambda: pf.attention(*QKV, _x(3, 7, dtype=torch.bool)),
+     ValueError, ["mask", "(3, 7)", "(1, 2, 3, 5)"]),
+    ("mask of integer dtype", lambda: pf.scaled_dot_product_attention(*QKV, _x(3, 5, dtype=torch.long)),
+     TypeError, ["mask", "torch.int64"]),
+    ("mask with too many dimensions", lambda: pf.attention(*QKV, _x(1, 1, 1, 3, 5, dtype=torch.bool)),
+     ValueError, ["mask", "5 dimensions"]),
+    ("mask on another device", lambda: pf.attention(*QKV, _x(3, 5, dtype=torch.bool, device="meta")),
+     ValueError, ["mask", "meta"]),
+    ("bad backend name", lambda: pf.attention(*QKV, backend="fast"),
+     ValueError, ["backend", "'fast'", "'sdpa'"]),
+    ("dropout_p out of range", lambda: pf.attention(*QKV, dropout_p=1.5),
+     ValueError, ["dropout_p", "1.5", "[0, 1)"]),
+    ("non-positive scale", lambda: pf.scaled_dot_product_attention(*QKV, scale=-1.0),
+     ValueError, ["scale", "-1.0"]),
+    ("causal_mask of negative size", lambda: pf.causal_mask(-1, 3),
+     ValueError, ["n", "-1"]),
+    # ---- MultiHeadAttention
+    ("d_model not divisible by n_heads", lambda: pf.MultiHeadAttention(10, 3),
+     ValueError, ["d_model", "10", "n_heads", "3"]),
+    ("n_kv_heads does not divide n_heads", lambda: pf.MultiHeadAttention(16, 4, n_kv_heads=3),
+     ValueError, ["n_kv_heads", "3", "n_heads", "4"]),
+    ("zero d_model", lambda: pf.MultiHeadAttention(0, 1), ValueError, ["d_model", "0"]),
+    ("negative n_heads", lambda: pf.MultiHeadAttention(8, -2), ValueError, ["n_heads", "-2"]),
+    ("float d_model", lambda: pf.MultiHeadAttention(8.0, 2), TypeError, ["d_model", "float"]),
+    ("attention dropout of 1", lambda: pf.MultiHeadAttention(8, 2, dropout=1.0),
+     ValueError, ["dropout", "1.0"]),
+    ("bad MHA backend", lambda: pf.MultiHeadAttention(8, 2, backend="cuda"),
+     ValueError, ["backend", "'cuda'"]),
+    ("query of rank 2", lambda: _mha(_x(3, 8), _x(3, 8), _x(3, 8)),
+     ValueError, ["query", "(3, 8)", "(B, seq_len, d_model)"]),
+    ("query of the wrong width", lambda: _mha(_x(1, 3, 6), _x(1, 3, 8), _x(1, 3, 8)),
+     ValueError, ["query", "(1, 3, 6)", "d_model = 8"]),
+    ("integer query", lambda: _mha(*(_x(1, 3, 8, dtype=torch.long),) * 3),
+     TypeError, ["query", "torch.int64"]),
+    ("key on another device", lambda: _mha(_x(1, 3, 8), _x(1, 3, 8, device="meta"), _x(1, 3, 8)),
+     ValueError, ["key", "meta", "cpu"]),
+    ("key and value lengths differ", lambda: _mha(_x(1, 3, 8), _x(1, 4, 8), _x(1, 5, 8)),
+     ValueError, ["value", "(1, 4, 8)", "(1, 5, 8)"]),
+    ("key_padding_mask of the wrong shape", lambda: _mha(*(_x(2, 3, 8),) * 3,
+                                                         key_padding_mask=_x(2, 4, dtype=torch.bool)),
+     ValueError, ["key_padding_mask", "(2, 4)", "(2, 3)"]),
+    ("float key_padding_mask", lambda: _mha(*(_x(2, 3, 8),) * 3, key_padding_mask=_x(2, 3)),
+     TypeError, ["key_padding_mask", "torch.float32"]),
+    ("MHA mask not broadcastable", lambda: _mha(*(_x(2, 3, 8),) * 3, mask=_x(4, 3, dtype=torch.bool)),
+     ValueError, ["mask", "(4, 3)", "(2, 2, 3, 3)"]),
+    ("kv cache of other heads", lambda: _mha(*(_x(1, 3, 8),) * 3, kv_cache=pf.KVCache(1, 4, 8, 2)),
+     ValueError, ["k", "(1, 2, 3, 4)", "(1, 4, n, 2)"]),
+    # ---- positions
+    ("odd d_model for sinusoids", lambda: pf.SinusoidalPositionalEncoding(7, 10),
+     ValueError, ["d_model", "even", "7"]),
+    ("sequence longer than max_len", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(1, 5, 8)),
+     ValueError, ["x", "length 5", "max_len=4"]),
+    ("offset past max_len", lambda: pf.LearnedPositionalEmbedding(8, 4)(_x(1, 2, 8), offset=3),
+     ValueError, ["x", "length 5", "max_len=4"]),
+    ("negative offset", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(1, 2, 8), offset=-1),
+     ValueError, ["offset", "-1"]),
+    ("positional input of rank 2", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(3, 8)),
+     ValueError, ["x", "(3, 8)", "(B, n, d_model)"]),
+    ("zero max_len", lambda: pf.LearnedPositionalEmbedding(8, 0), ValueError, ["max_len", "0"]),
+    ("odd head_dim for rope", lambda: pf.RotaryEmbedding(7, 10), ValueError, ["head_dim", "even", "7"]),
+    ("rope base not above 1", lambda: pf.RotaryEmbedding(8, 10, base=1.0), ValueError, ["base", "1.0"]),
+    ("rope input of the wrong head_dim", lambda: pf.RotaryEmbedding(8, 10)(_x(1, 1, 3, 6)),
+     ValueError, ["x", "(1, 1, 3, 6)", "head_dim = 8"]),
+    ("rope positions past max_len", lambda: pf.RotaryEmbedding(8, 4)(_x(1, 1, 3, 8), offset=2),
+     ValueError, ["x", "length 5", "max_len=4"]),
+    # ---- feed-forward, norms, layers
+    ("bad activation", lambda: pf.FeedForward(8, 16, activation="tanh"),
+     ValueError, ["activation", "'tanh'", "'relu'"]),
+    ("zero d_ff", lambda: pf.FeedForward(8, 0), ValueError, ["d_ff", "0"]),
+    ("string dropout", lambda: pf.FeedForward(8, 16, dropout="0.1"), TypeError, ["dropout", "str"]),
+    ("feed-forward input of the wrong width", lambda: pf.FeedForward(8, 16)(_x(2, 3, 7)),
+     ValueError, ["x", "(2, 3, 7)", "d_model = 8"]),
+    ("RMSNorm input of the wrong width", lambda: pf.RMSNorm(8)(_x(2, 7)),
+     ValueError, ["x", "(2, 7)", "d_model = 8"]),
+    ("bad norm kind", lambda: make_norm("batchnorm", 8), ValueError, ["norm", "'batchnorm'"]),
+    ("negative layer dropout", lambda: pf.EncoderLayer(8, 2, 16, dropout=-0.1),
+     ValueError, ["dropout", "-0.1"]),
+    # ---- Encoder
+    ("token id out of range", lambda: _encoder()(torch.tensor([[1, 10]])),
+     ValueError, ["src", "[1, 10]", "vocab_size=10"]),
+    ("negative token id", lambda: _encoder()(torch.tensor([[-1, 2]])),
+     ValueError, ["src", "[-1, 2]", "[0, 10)"]),
+    ("float token ids", lambda: _encoder()(_x(1, 3)), TypeError, ["src", "torch.float32"]),
+    ("token ids of rank 1", lambda: _encoder()(torch.ones(3, dtype=torch.long)),
+     ValueError, ["src", "(3,)", "(B, n)"]),
+    ("source longer than max_len", lambda: _encoder()(torch.ones(1, 7, dtype=torch.long)),
+     ValueError, ["src", "length 7", "max_len=6"]),
+    ("zero vocab_size", lambda: _encoder(vocab_size=0), ValueError, ["vocab_size", "0"]),
+    ("negative d_model", lambda: _encoder(d_model=-8), ValueError, ["d_model", "-8"]),
+    ("zero n_layers", lambda: _encoder(n_layers=0), ValueError, ["n_layers", "0"]),
+    ("pad_id out of range", lambda: _encoder(pad_id=10), ValueError, ["pad_id", "10", "vocab_size=10"]),
+    ("string pad_id", lambda: _encoder(pad_id="0"), TypeError, ["pad_id", "str"]),
+    ("encoder dropout above 1", lambda: _encoder(dropout=2.0), ValueError, ["dropout", "2.0"]),
+    # ---- KV cache
+    ("zero cache batch", lambda: pf.KVCache(0, 2, 8, 4), ValueError, ["batch_size", "0"]),
+    ("cache overflow", lambda: pf.KVCache(1, 1, 2, 4).append(_x(1, 1, 3, 4), _x(1, 1, 3, 4)),
+     ValueError, ["3 new positions", "max_len=2"]),
+]
+
+
+@pytest.mark.parametrize("call,error,fragments", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_refused_with_a_message_naming_argument_and_value(call, error, fragments):
+    with pytest.raises(error) as raised:
+        call()
+    assert type(raised.value) is error
+    message = str(raised.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+
