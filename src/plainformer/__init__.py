@@ -6,6 +6,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_product_attention
+from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config
 from .feedforward import FeedForward
 from .kv_cache import KVCache
@@ -17,6 +18,8 @@ from .models import GPT, GPTConfig
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
+from .training import TrainConfig, Trainer, TrainingInterrupted, lr_at, make_optimizer
+from .visualization import plot_loss_curve
 from .tokenizers import BPETokenizer, CharTokenizer, Tokenizer, WordPieceTokenizer, load_tokenizer
 
 try:
@@ -25,6 +28,16 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0"
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "load_checkpoint",
+    "save_checkpoint",
+    "TrainConfig",
+    "Trainer",
+    "TrainingInterrupted",
+    "lr_at",
+    "make_optimizer",
+    "plot_loss_curve",
     "BPETokenizer",
     "CharTokenizer",
     "LMBatchSource",
