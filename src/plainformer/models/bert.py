@@ -1,0 +1,275 @@
+"""BERT: a bidirectional Transformer encoder pretrained by masked language modelling (Devlin et al. 2019).
+
+    h_0 = LayerNorm(E[ids] + P[positions] + T[token_types]),  then dropout
+    h_l = EncoderLayer_l(h_{l-1}),  l = 1 .. n_layers      post-LN, GELU, padding keys masked
+    pooled = tanh(W_p h_L[:, 0] + b_p)                      the [CLS] position
+
+    masked LM:       logits = LayerNorm(GELU(W_t h_L + b_t)) Eᵀ + b    (decoder tied to E, own bias b)
+    classification:  logits = W_c Dropout(pooled) + b_c
+
+Each layer is the foundation's `EncoderLayer` with norm_first=False:
+x = LN(x + Attn(x, x, x)), x = LN(x + FFN(x)), FFN = GELU(x W_1 + b_1) W_2 + b_2, which is BERT's layer.
+Initialisation follows BERT: N(0, init_std) weights, zero biases, LayerNorm (1, 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _checks
+from ..attention import BACKENDS
+from ..config import Config
+from ..feedforward import ACTIVATIONS
+from ..layers import EncoderLayer
+from ..positional import LearnedPositionalEmbedding
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class BertConfig(Config):
+    """Shape and options of a BERT. vocab_size is set from the tokenizer when pretraining."""
+
+    vocab_size: int = 30522
+    max_len: int = 512
+    type_vocab_size: int = 2
+    n_layers: int = 12
+    n_heads: int = 12
+    d_model: int = 768
+    d_ff: int = 3072
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    norm_eps: float = 1e-12
+    activation: str = "gelu"
+    backend: str = "auto"
+    pad_id: int | None = 0
+    n_labels: int = 2
+    init_std: float = 0.02
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        # BERT-base (Devlin et al. 2019, section 3): 110M parameters.
+        "base": dict(vocab_size=30522, max_len=512, n_layers=12, n_heads=12, d_model=768, d_ff=3072),
+        # The shape of sentence-transformers/all-MiniLM-L6-v2 (nreimers/MiniLM-L6-H384-uncased).
+        "minilm-l6": dict(vocab_size=30522, max_len=512, n_layers=6, n_heads=12, d_model=384,
+                          d_ff=1536),
+        # BERT-tiny's shape (Turc et al. 2019, L=2, H=128, A=2) on a short context: pretrains on 2 CPU
+        # cores in minutes. vocab_size is replaced by the corpus tokenizer's.
+        "tiny": dict(vocab_size=4096, max_len=128, n_layers=2, n_heads=2, d_model=128, d_ff=512),
+    }
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "max_len", "type_vocab_size", "n_layers", "n_heads", "d_model",
+                     "d_ff", "n_labels"):
+            _checks.check_positive_int(name, getattr(self, name))
+        _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
+        _checks.check_probability("dropout", self.dropout)
+        _checks.check_probability("attention_dropout", self.attention_dropout)
+        _checks.check_choice("activation", self.activation, ACTIVATIONS)
+        _checks.check_choice("backend", self.backend, BACKENDS)
+        for name in ("norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive float, got {value!r}")
+        if self.pad_id is not None and (isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int)
+                                        or not 0 <= self.pad_id < self.vocab_size):
+            raise ValueError(f"pad_id must be None or an int in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.pad_id!r}")
+
+
+class BertOutput(NamedTuple):
+    """last_hidden_state (B, n, d_model) and pooler_output (B, d_model); `output[0]` is the former."""
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor
+
+
+class BertEmbeddings(nn.Module):
+    """(B, n) ids and token types -> Dropout(LayerNorm(E[ids] + P[0..n-1] + T[types])): (B, n, d_model)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
+        self.position = LearnedPositionalEmbedding(config.d_model, config.max_len)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        x = self.position(self.word(input_ids)) + self.token_type(token_type_ids)  # (B, n, d_model)
+        return self.dropout(self.norm(x))
+
+
+class BertPooler(nn.Module):
+    """tanh(W_p h[:, 0] + b_p): (B, n, d_model) -> (B, d_model)."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+def init_bert_weights(module: nn.Module, std: float) -> None:
+    """BERT's initialisation of one module (use with `model.apply`)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        with torch.no_grad():
+            module.weight[module.padding_idx].zero_()
+    if isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+def _check_config(config: object) -> BertConfig:
+    if not isinstance(config, BertConfig):
+        raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
+    return config
+
+
+class BertModel(nn.Module):
+    """The encoder: embeddings, n_layers post-LN `EncoderLayer`s and the [CLS] pooler.
+
+    forward(input_ids (B, n), attention_mask (B, n) | None, token_type_ids (B, n) | None) -> BertOutput.
+    attention_mask is True (or 1) for real tokens; None means `input_ids != pad_id` (every token when
+    pad_id is None). token_type_ids default to 0 (segment A).
+    """
+
+    family = "bert"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = _check_config(config)
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
+                         attention_dropout=config.attention_dropout, activation=config.activation,
+                         norm_first=False, norm_eps=config.norm_eps, backend=config.backend)
+            for _ in range(config.n_layers))
+        self.pooler = BertPooler(config.d_model)
+        self.apply(lambda module: init_bert_weights(module, config.init_std))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> BertOutput:
+        key_padding_mask, token_type_ids = self._check_inputs(input_ids, attention_mask, token_type_ids)
+        x = self.embeddings(input_ids, token_type_ids)  # (B, n, d_model)
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=key_padding_mask)
+        return BertOutput(x, self.pooler(x))
+
+    def _check_inputs(self, input_ids: Tensor, attention_mask: Tensor | None,
+                      token_type_ids: Tensor | None) -> tuple[Tensor | None, Tensor]:
+        """Validated (key padding mask (B, n) bool or None, token types (B, n))."""
+        config = self.config
+        _checks.check_token_ids("input_ids", input_ids, config.vocab_size)
+        _checks.check_max_len("input_ids", input_ids.shape[1], config.max_len)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        else:
+            _checks.check_token_ids("token_type_ids", token_type_ids, config.type_vocab_size)
+            _check_same_shape("token_type_ids", token_type_ids, input_ids)
+        if attention_mask is None:
+            mask = None if config.pad_id is None else input_ids != config.pad_id
+        else:
+            _checks.check_tensor("attention_mask", attention_mask, ndim=2, shape_doc="(B, n)")
+            _check_same_shape("attention_mask", attention_mask, input_ids)
+            if attention_mask.is_floating_point():
+                raise TypeError(f"attention_mask must be boolean or 0/1 integers (True = real token), "
+                                f"got dtype {attention_mask.dtype}")
+            mask = attention_mask.bool()
+        return mask, token_type_ids
+
+
+def _check_same_shape(name: str, x: Tensor, input_ids: Tensor) -> None:
+    if x.shape != input_ids.shape:
+        raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(x.shape)}")
+
+
+class BertMLMHead(nn.Module):
+    """logits = LayerNorm(GELU(W_t h + b_t)) Eᵀ + b with E the word embedding: (..., d) -> (..., V)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: Tensor, word_embedding: Tensor) -> Tensor:
+        """hidden (..., d_model), word_embedding E (vocab_size, d_model) -> (..., vocab_size)."""
+        h = self.norm(F.gelu(self.dense(hidden)))
+        return F.linear(h, word_embedding, self.bias)
+
+
+class BertForMaskedLM(nn.Module):
+    """BERT with the masked-LM head. forward(...) -> (logits, loss | None).
+
+    Without labels: logits (B, n, vocab_size) at every position, loss None.
+    With labels (B, n) — the original token at selected positions, IGNORE_INDEX (-100) elsewhere —
+    the head runs only at the S selected positions, since no other logit enters the loss, and logits
+    is (S, vocab_size) for them in row-major order (matching `labels[labels != -100]`); loss is their
+    mean cross-entropy (0 when S = 0). On a 4,096-token vocabulary the head is most of a small
+    model's compute, so this makes pretraining several times faster.
+    """
+
+    family = "bert-mlm"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = _check_config(config)
+        self.bert = BertModel(config)
+        self.head = BertMLMHead(config)
+        self.head.apply(lambda module: init_bert_weights(module, config.init_std))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if labels is not None:
+            _checks.check_tensor("labels", labels, ndim=2, shape_doc="(B, n)")
+            _check_same_shape("labels", labels, input_ids)
+        hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state  # (B, n, d)
+        embedding = self.bert.embeddings.word.weight
+        if labels is None:
+            return self.head(hidden, embedding), None
+        selected = labels != IGNORE_INDEX  # (B, n)
+        logits = self.head(hidden[selected], embedding)  # (S, vocab_size)
+        if logits.shape[0] == 0:  # nothing selected: the sum over no positions, 0, still differentiable
+            return logits, logits.float().sum()
+        return logits, F.cross_entropy(logits.float(), labels[selected])
+
+
+class BertForSequenceClassification(nn.Module):
+    """BERT with a classifier on the pooled [CLS]. forward(...) -> (logits (B, n_labels), loss | None).
+
+    labels (B,): class indices in [0, n_labels); the loss is their mean cross-entropy.
+    """
+
+    family = "bert-cls"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = _check_config(config)
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.classifier = nn.Linear(config.d_model, config.n_labels)
+        init_bert_weights(self.classifier, config.init_std)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if labels is not None:
+            _checks.check_token_ids("labels", labels, self.config.n_labels, ndim=1, shape_doc="(B,)")
+            if labels.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"labels must hold one class per sequence ({input_ids.shape[0]}), "
+                                 f"got shape {tuple(labels.shape)}")
+        pooled = self.bert(input_ids, attention_mask, token_type_ids).pooler_output
+        logits = self.classifier(self.dropout(pooled))  # (B, n_labels)
+        return logits, None if labels is None else F.cross_entropy(logits.float(), labels)
