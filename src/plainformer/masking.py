@@ -1,0 +1,231 @@
+"""Data for BERT: masked-language-model batches (Devlin et al. 2019, section 3.1) and a sentence
+classification task built offline from the bundled corpus.
+
+Masking: each token that is neither special ([CLS], [SEP], [PAD], ...) nor padding is selected with
+probability p = 0.15; a selected token is replaced by [MASK] with probability 0.8, by a token drawn
+uniformly from the non-special vocabulary with probability 0.1, and left as it is with probability
+0.1. labels hold the original token at selected positions and -100 (ignored by the loss) elsewhere.
+
+Every batch source here is deterministic in (seed, split, index), as the trainer requires: batch
+`index` is drawn with a generator seeded from those three values alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _checks
+from .data import SPLITS, TextSplit, _stable_seed, bundled_works, load_text
+from .models.bert import IGNORE_INDEX
+from .tokenizers import WordPieceTokenizer
+
+SELECT_PROB = 0.15
+MASK_PROB = 0.8
+RANDOM_PROB = 0.1
+
+
+def mask_tokens(input_ids: Tensor, *, mask_id: int, special_ids: Sequence[int], vocab_size: int,
+                generator: torch.Generator | None = None, attention_mask: Tensor | None = None,
+                select_prob: float = SELECT_PROB, mask_prob: float = MASK_PROB,
+                random_prob: float = RANDOM_PROB) -> tuple[Tensor, Tensor]:
+    """BERT's masking of input_ids (B, n) -> (masked input_ids (B, n), labels (B, n)).
+
+    Positions holding one of `special_ids`, or False in attention_mask (padding), are never selected.
+    Random replacements are drawn from the ids in [0, vocab_size) that are not special.
+    """
+    _checks.check_token_ids("input_ids", input_ids, vocab_size)
+    for name, p in (("select_prob", select_prob), ("mask_prob", mask_prob), ("random_prob", random_prob)):
+        _checks.check_probability(name, p)
+    if mask_prob + random_prob > 1.0:
+        raise ValueError(f"mask_prob + random_prob must be at most 1, got {mask_prob} + {random_prob}")
+    special = torch.as_tensor(list(special_ids), dtype=input_ids.dtype, device=input_ids.device)
+    if mask_id not in special:
+        raise ValueError(f"mask_id ({mask_id}) must be one of special_ids {list(special_ids)}")
+    eligible = ~torch.isin(input_ids, special)
+    if attention_mask is not None:
+        eligible &= attention_mask.bool()
+
+    def uniform() -> Tensor:
+        return torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
+
+    selected = eligible & (uniform() < select_prob)
+    action = uniform()  # < mask_prob: [MASK]; next random_prob: random token; rest: unchanged
+    to_mask = selected & (action < mask_prob)
+    to_random = selected & (action >= mask_prob) & (action < mask_prob + random_prob)
+    ordinary = torch.ones(vocab_size, dtype=torch.bool, device=input_ids.device)
+    ordinary[special.long()] = False
+    candidates = ordinary.nonzero().squeeze(1).to(input_ids.dtype)
+    random_tokens = candidates[torch.randint(len(candidates), input_ids.shape, generator=generator,
+                                             device=input_ids.device)]
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_tokens, masked)
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    return masked, labels
+
+
+def _check_index(index: object, batch_size: int) -> None:
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"index must be a non-negative int, got {index!r}")
+    _checks.check_positive_int("batch_size", batch_size)
+
+
+def _generator(seed: int, split: str, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_stable_seed(seed, split, index))
+
+
+def _check_wordpiece(tokenizer: object) -> WordPieceTokenizer:
+    if not isinstance(tokenizer, WordPieceTokenizer):
+        raise TypeError(f"tokenizer must be a WordPieceTokenizer, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- masked-LM batches
+
+def encode_stream(split: TextSplit, which: str, tokenizer: WordPieceTokenizer) -> np.ndarray:
+    """The wordpieces of one split as one stream (N,) int32, without [CLS]/[SEP] framing."""
+    _check_wordpiece(tokenizer)
+    pieces = [np.asarray(tokenizer.encode(chunk)[1:-1], dtype=np.int32) for chunk in split.chunks(which)]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+class MLMBatchSource:
+    """Masked-LM batches: windows of seq_len - 2 consecutive wordpieces framed as [CLS] ... [SEP].
+
+    get_batch(split, index, batch_size) draws B window starts uniformly with a generator seeded by
+    (seed, split, index), masks them with `mask_tokens` using the same generator, and returns
+    {"input_ids": (B, seq_len) long, "labels": (B, seq_len) long}. Windows are never padded.
+    """
+
+    def __init__(self, train_tokens: np.ndarray, val_tokens: np.ndarray, tokenizer: WordPieceTokenizer,
+                 seq_len: int, *, seed: int = 0, select_prob: float = SELECT_PROB):
+        self.tokenizer = _check_wordpiece(tokenizer)
+        self.seq_len = _checks.check_positive_int("seq_len", seq_len)
+        if seq_len < 3:
+            raise ValueError(f"seq_len must be at least 3 ([CLS], one token, [SEP]), got {seq_len}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed, self.select_prob = seed, _checks.check_probability("select_prob", select_prob)
+        self.tokens = {"train": np.asarray(train_tokens), "val": np.asarray(val_tokens)}
+        for split, tokens in self.tokens.items():
+            if tokens.ndim != 1 or len(tokens) < seq_len - 2:
+                raise ValueError(f"the {split} split has {len(tokens)} tokens but seq_len={seq_len} needs "
+                                 f"at least {seq_len - 2}; use a smaller seq_len or more text")
+
+    def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
+        tokens = self.tokens[_checks.check_choice("split", split, SPLITS)]
+        _check_index(index, batch_size)
+        generator = _generator(self.seed, split, index)
+        width = self.seq_len - 2
+        starts = torch.randint(0, len(tokens) - width + 1, (batch_size,), generator=generator).numpy()
+        body = torch.from_numpy(tokens[starts[:, None] + np.arange(width)].astype(np.int64))  # (B, n - 2)
+        tok = self.tokenizer
+        ids = torch.cat([torch.full((batch_size, 1), tok.cls_id), body,
+                         torch.full((batch_size, 1), tok.sep_id)], dim=1)  # (B, n)
+        input_ids, labels = mask_tokens(ids, mask_id=tok.mask_id, special_ids=tok.all_special_ids,
+                                        vocab_size=tok.vocab_size, generator=generator,
+                                        select_prob=self.select_prob)
+        return {"input_ids": input_ids, "labels": labels}
+
+
+# ----------------------------------------------------------------------------- line classification
+
+DEFAULT_PLAYS = ("Macbeth", "A Midsummer Night's Dream")
+# Speaker names, headings and cast lists open with a word in capitals ("MACBETH.", "ACT I.").
+_SPEAKER = re.compile(r"^[A-Z]{2,}(?![a-z'])")
+
+
+@dataclasses.dataclass(frozen=True)
+class LineTask:
+    """Lines of text labelled by the work they come from; `classes[label]` names the work."""
+
+    classes: tuple[str, ...]
+    train: tuple[tuple[str, int], ...]
+    val: tuple[tuple[str, int], ...]
+
+    def examples(self, split: str) -> tuple[tuple[str, int], ...]:
+        return self.train if _checks.check_choice("split", split, SPLITS) == "train" else self.val
+
+    def majority_baseline(self, split: str = "val") -> float:
+        """Accuracy of always answering the most frequent class of `split`."""
+        counts = Counter(label for _, label in self.examples(split))
+        return max(counts.values()) / sum(counts.values())
+
+
+def spoken_lines(text: str, min_words: int = 4) -> list[str]:
+    """Lines of dialogue: at least min_words words, not a speaker name, heading or stage direction."""
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if len(line.split()) >= min_words and "[" not in line
+            and "]" not in line and not _SPEAKER.match(line)]
+
+
+def _in_val(line: str, val_fraction: float) -> bool:
+    """A line's split is a function of its text alone, so a repeated line never straddles splits."""
+    digest = hashlib.sha256(line.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") / 2 ** 64 < val_fraction
+
+
+def play_lines_task(plays: Sequence[str] = DEFAULT_PLAYS, *, val_fraction: float = 0.2,
+                    min_words: int = 4) -> LineTask:
+    """Which of the bundled corpus's `plays` (titles as in corpus/works.tsv) a line of dialogue comes from.
+
+    A line whose text occurs in two of the plays is dropped (its label would be ambiguous); repeats
+    within a play are kept once. Lines are assigned to validation by a hash of their text.
+    """
+    text = load_text()
+    works = {work.title: work for work in bundled_works(text)}
+    if len(plays) < 2 or len(set(plays)) != len(plays):
+        raise ValueError(f"plays must name at least two different works, got {list(plays)}")
+    unknown = [title for title in plays if title not in works]
+    if unknown:
+        raise ValueError(f"unknown play {unknown[0]!r}; the bundled works are: {', '.join(works)}")
+    _checks.check_probability("val_fraction", val_fraction)
+    labels: dict[str, set[int]] = {}
+    for label, title in enumerate(plays):
+        for line in spoken_lines(text[works[title].start:works[title].end], min_words):
+            labels.setdefault(line, set()).add(label)
+    examples = sorted((line, found.pop()) for line, found in labels.items() if len(found) == 1)
+    val = tuple(e for e in examples if _in_val(e[0], val_fraction))
+    train = tuple(e for e in examples if not _in_val(e[0], val_fraction))
+    if not train or not val:
+        raise ValueError(f"val_fraction={val_fraction} leaves an empty split "
+                         f"({len(train)} training, {len(val)} validation lines)")
+    return LineTask(tuple(plays), train, val)
+
+
+class ClassificationBatchSource:
+    """Batches of a `LineTask`, encoded as [CLS] line [SEP] and padded to the batch's longest.
+
+    "train": B examples drawn uniformly with a generator seeded by (seed, "train", index).
+    "val": the i-th slice of B examples in order, i = index mod ceil(N/B) (the last one may be shorter),
+    so that indices 0 .. ceil(N/B) - 1 cover the validation lines exactly once.
+    Returns {"input_ids", "attention_mask", "token_type_ids"} (B, n) and "labels" (B,).
+    """
+
+    def __init__(self, task: LineTask, tokenizer: WordPieceTokenizer, max_len: int, *, seed: int = 0):
+        self.task, self.tokenizer = task, _check_wordpiece(tokenizer)
+        self.max_len = _checks.check_positive_int("max_len", max_len)
+        self.seed = seed
+
+    def num_batches(self, split: str, batch_size: int) -> int:
+        """Batches that cover `split` once."""
+        return -(-len(self.task.examples(split)) // batch_size)
+
+    def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
+        examples = self.task.examples(split)
+        _check_index(index, batch_size)
+        if split == "train":
+            rows = torch.randint(0, len(examples), (batch_size,),
+                                 generator=_generator(self.seed, split, index)).tolist()
+        else:
+            start = index % self.num_batches(split, batch_size) * batch_size
+            rows = list(range(start, min(start + batch_size, len(examples))))
+        batch = self.tokenizer.encode_batch([examples[r][0] for r in rows], max_length=self.max_len)
+        return {**batch, "labels": torch.tensor([examples[r][1] for r in rows], dtype=torch.long)}
