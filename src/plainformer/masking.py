@@ -60,15 +60,20 @@ def mask_tokens(input_ids: Tensor, *, mask_id: int, special_ids: Sequence[int], 
     action = uniform()  # < mask_prob: [MASK]; next random_prob: random token; rest: unchanged
     to_mask = selected & (action < mask_prob)
     to_random = selected & (action >= mask_prob) & (action < mask_prob + random_prob)
-    ordinary = torch.ones(vocab_size, dtype=torch.bool, device=input_ids.device)
-    ordinary[special.long()] = False
-    candidates = ordinary.nonzero().squeeze(1).to(input_ids.dtype)
+    candidates = _non_special_ids(vocab_size, special)
     random_tokens = candidates[torch.randint(len(candidates), input_ids.shape, generator=generator,
                                              device=input_ids.device)]
     masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
     masked = torch.where(to_random, random_tokens, masked)
     labels = torch.where(selected, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     return masked, labels
+
+
+def _non_special_ids(vocab_size: int, special: Tensor) -> Tensor:
+    """The ids in [0, vocab_size) that are not in `special`, ascending, in special's dtype."""
+    ordinary = torch.ones(vocab_size, dtype=torch.bool, device=special.device)
+    ordinary[special.long()] = False
+    return ordinary.nonzero().squeeze(1).to(special.dtype)
 
 
 def _check_index(index: object, batch_size: int) -> None:
