@@ -109,6 +109,23 @@ def test_pretrain_then_finetune_report_their_metrics(capsys, tmp_path, text_file
     assert code == 0 and len(json.loads(lines[0])) == 16
 
 
+def test_pretrain_resumed_midway_ends_where_an_uninterrupted_run_does(capsys, tmp_path, text_file):
+    def pretrain(out: Path, steps: int, *extra: str) -> dict:
+        code, lines, _ = run_cli(capsys, "bert", "pretrain", "--data", str(text_file), "--out", str(out),
+                                 "--vocab-size", "60", "--seq-len", "12", "--max-steps", str(steps),
+                                 "--save-interval", "3", "--decay-steps", "6",  # one schedule for both
+                                 *TINY_MODEL, *TINY_TRAINING, *extra)
+        assert code == 0
+        return json.loads(lines[-1])
+
+    straight = pretrain(tmp_path / "straight", 6)
+    pretrain(tmp_path / "resumed", 3)
+    resumed = pretrain(tmp_path / "resumed", 6, "--resume")
+    assert resumed["step"] == 6
+    assert resumed["val_loss"] == straight["val_loss"]
+    assert resumed["val_masked_accuracy"] == straight["val_masked_accuracy"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["search", "--corpus", "no/such/file.txt", "query"], "corpus file not found"),
     (["search", "--corpus", "x", "--k", "0", "query"], "--k"),
