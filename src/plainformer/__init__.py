@@ -14,7 +14,10 @@ from .data import (LMBatchSource, LMData, TextSplit, Work, build_tokenizer, load
                    prepare_lm_data, split_text, token_array)
 from .generation import generate, iter_generate, sample_next
 from .layers import Encoder, EncoderLayer
+from .interop import load_hf_bert, save_hf_bert
 from .models import GPT, GPTConfig
+from .models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .sentence import SentenceEncoder
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
@@ -28,6 +31,13 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0"
 
 __all__ = [
+    "BertConfig",
+    "BertForMaskedLM",
+    "BertForSequenceClassification",
+    "BertModel",
+    "SentenceEncoder",
+    "load_hf_bert",
+    "save_hf_bert",
     "Checkpoint",
     "CheckpointError",
     "load_checkpoint",

@@ -70,14 +70,14 @@ def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import gpt
+    from . import bert, gpt
 
     parser = argparse.ArgumentParser(
         prog="plainformer",
         description="Train, evaluate and sample Transformers built from first principles.")
     parser.add_argument("--version", action="version", version=f"plainformer {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (gpt,):
+    for module in (gpt, bert):
         module.register(subcommands)
     return parser
 
