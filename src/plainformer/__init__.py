@@ -12,6 +12,7 @@ from .feedforward import FeedForward
 from .kv_cache import KVCache
 from .data import (LMBatchSource, LMData, TextSplit, Work, build_tokenizer, load_split, load_text,
                    prepare_lm_data, split_text, token_array)
+from .flash import flash_attention
 from .generation import generate, iter_generate, sample_next
 from .layers import Encoder, EncoderLayer
 from .interop import load_hf_bert, save_hf_bert
@@ -31,6 +32,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0"
 
 __all__ = [
+    "flash_attention",
     "BertConfig",
     "BertForMaskedLM",
     "BertForSequenceClassification",

@@ -207,7 +207,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dr
     return flash_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, scale=scale)
 
 
-def resolve_backend(backend: str, q: Tensor, mask: Tensor | None, dropout_p: float) -> str:
+def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: Tensor | None, dropout_p: float) -> str:
     """The exact path `backend="auto"` takes.
 
     torch's fused kernel (sdpa) is the fastest exact path on CPU for every mask, so auto picks it.
@@ -218,7 +218,7 @@ def resolve_backend(backend: str, q: Tensor, mask: Tensor | None, dropout_p: flo
     if backend != "auto":
         return backend
     if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and _triton_available() and (
-            mask is None or _key_padding_from_mask(mask, q, q) is not None):
+            mask is None or _key_padding_from_mask(mask, q, k) is not None):
         return "flash"
     return "sdpa"
 
@@ -245,7 +245,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, is
     _check_qkv(q, k, v)
     _check_mask(mask, _scores_shape(q, k), q.device)
     _check_options(dropout_p, scale)
-    backend = resolve_backend(backend, q, mask, dropout_p)
+    backend = resolve_backend(backend, q, k, mask, dropout_p)
     if backend == "math":
         return _math_attention(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)[0]
     return _BACKEND_FUNCTIONS[backend](q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -320,8 +320,9 @@ class MultiHeadAttention(nn.Module):
             q = rope(q, offset=offset)
         mask = self._attention_mask(mask, key_padding_mask, query, k)
         if is_causal and offset > 0:
-            causal = causal_mask(q.shape[-2], k.shape[-2], offset=offset, device=q.device)
-            mask = causal if mask is None else _and_masks(mask, causal)
+            if q.shape[-2] > 1:  # a single newest query sees every key: no mask to build (decoding)
+                causal = causal_mask(q.shape[-2], k.shape[-2], offset=offset, device=q.device)
+                mask = causal if mask is None else _and_masks(mask, causal)
             is_causal = False
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
