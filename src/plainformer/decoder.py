@@ -1,0 +1,188 @@
+"""The decoder layer and stack of the encoder-decoder Transformer (Vaswani et al. 2017, section 3.1).
+
+Post-LN, as in the paper (y: target positions, z: encoder memory):
+
+    y = LayerNorm(y + Dropout(MultiHead(y, y, y)))       masked: position i attends positions <= i
+    y = LayerNorm(y + Dropout(MultiHead(y, z, z)))       cross-attention over the source
+    y = LayerNorm(y + Dropout(FFN(y)))
+
+Pre-LN (norm_first=True) computes y = y + Dropout(Sublayer(LN(y))) for each of the three, and the stack
+ends with a LayerNorm. Decoding one position at a time keeps two caches per layer: the self-attention
+keys/values of the positions decoded so far, and the cross-attention keys/values of the memory, which
+are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from torch import Tensor, nn
+
+from . import _checks
+from .attention import MultiHeadAttention
+from .feedforward import FeedForward
+from .kv_cache import KVCache
+from .normalization import make_norm
+from .positional import SinusoidalPositionalEncoding
+
+
+@dataclasses.dataclass
+class DecoderCache:
+    """The caches of one decoder layer: its own past positions and the projected memory."""
+
+    self_attn: KVCache
+    cross_attn: KVCache
+
+    def reorder(self, batch_indices: Tensor) -> None:
+        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around)."""
+        self.self_attn.reorder(batch_indices)
+        self.cross_attn.reorder(batch_indices)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the memory, feed-forward; each wrapped in dropout,
+    a residual connection and a norm.
+
+    Submodules: `self_attn`, `cross_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`..`norm3`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
+                 attention_dropout: float | None = None, backend: str = "auto"):
+        super().__init__()
+        _checks.check_probability("dropout", dropout)
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        self.norm_first = norm_first
+        self.self_attn, self.cross_attn = (
+            MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
+                               dropout=attention_dropout, backend=backend) for _ in range(2))
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        self.norm1, self.norm2, self.norm3 = (make_norm(norm, d_model, eps=norm_eps, bias=bias)
+                                              for _ in range(3))
+        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
+
+    def _residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
+                  dropout: nn.Module) -> Tensor:
+        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)))
+        return norm(x + dropout(sublayer(x)))
+
+    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, *,
+                memory_mask: Tensor | None = None, is_causal: bool = False,
+                tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None, self_kv_cache: KVCache | None = None,
+                cross_kv_cache: KVCache | None = None) -> Tensor:
+        """x (B, n, d_model) target positions, memory (B, m, d_model) -> (B, n, d_model).
+
+        tgt_mask (n, n) / memory_mask (n, m) and the key-padding masks (B, n) / (B, m) are boolean,
+        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`.
+        is_causal: position i sees target positions <= i. self_kv_cache holds the positions decoded
+        so far; cross_kv_cache (static) the memory's keys and values, see `memory_kv_cache`.
+        """
+        def self_attend(h: Tensor) -> Tensor:
+            return self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask,
+                                  is_causal=is_causal, kv_cache=self_kv_cache)
+
+        def cross_attend(h: Tensor) -> Tensor:
+            return self.cross_attn(h, memory, memory, memory_mask,
+                                   key_padding_mask=memory_key_padding_mask, kv_cache=cross_kv_cache)
+
+        x = self._residual(x, self_attend, self.norm1, self.dropout1)
+        x = self._residual(x, cross_attend, self.norm2, self.dropout2)
+        return self._residual(x, self.ff, self.norm3, self.dropout3)
+
+    def memory_kv_cache(self, memory: Tensor, *, repeats: int = 1) -> KVCache:
+        """A static cache holding memory W^K and memory W^V, (B·repeats, h_kv, m, d_k) each.
+
+        Row b of the memory fills rows b·repeats .. b·repeats + repeats - 1 (the beams of source b).
+        """
+        attn = self.cross_attn
+        k, v = attn.project_kv(memory, memory)  # (B, h_kv, m, d_k)
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=0), v.repeat_interleave(repeats, dim=0)
+        cache = KVCache(k.shape[0], attn.n_kv_heads, k.shape[2], attn.head_dim,
+                        dtype=k.dtype, device=k.device, static=True)
+        cache.append(k, v)
+        return cache
+
+
+class Decoder(nn.Module):
+    """Token embedding · √d_model + sinusoidal PE, dropout, N decoder layers (+ final LN if pre-LN).
+
+    tgt (B, n) token ids and memory (B, m, d_model) -> (B, n, d_model); the output projection to
+    the vocabulary belongs to the model. The embedding of `pad_id` is kept at zero.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
+        super().__init__()
+        _checks.check_positive_int("vocab_size", vocab_size)
+        _checks.check_positive_int("n_layers", n_layers)
+        if pad_id is not None and not 0 <= pad_id < vocab_size:
+            raise ValueError(f"pad_id must be in [0, vocab_size={vocab_size}), got {pad_id}")
+        self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        self.positional = SinusoidalPositionalEncoding(d_model, max_len)
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                         norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
+            for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
+
+    @property
+    def max_len(self) -> int:
+        return self.positional.max_len
+
+    def embed(self, tgt: Tensor, offset: int = 0) -> Tensor:
+        """(B, n) ids at positions offset .. offset+n-1 -> (B, n, d_model): E[tgt] · √d_model + PE."""
+        x = self.embedding(tgt) * math.sqrt(self.d_model)
+        return self.dropout(self.positional(x, offset))
+
+    def forward(self, tgt: Tensor, memory: Tensor, *, tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None,
+                kv_caches: list[DecoderCache] | None = None) -> Tensor:
+        """tgt (B, n), memory (B, m, d_model) -> (B, n, d_model), causal over the target.
+
+        tgt_key_padding_mask (B, n) and memory_key_padding_mask (B, m) mark real tokens (True); None
+        means no padding. With right-padded targets the causal mask already keeps every real position
+        from seeing a pad, so the target mask changes only the outputs at padded positions.
+        kv_caches (one per layer, see `new_kv_caches`): decode incrementally; tgt then holds only
+        the positions after the cached ones.
+        """
+        _checks.check_token_ids("tgt", tgt, self.vocab_size)
+        if kv_caches is not None and len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must hold one DecoderCache per layer ({len(self.layers)}), "
+                             f"got {len(kv_caches)}")
+        offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
+        _checks.check_max_len("tgt (cached positions included)", offset + tgt.shape[1], self.max_len)
+        x = self.embed(tgt, offset)
+        for i, layer in enumerate(self.layers):
+            cache = None if kv_caches is None else kv_caches[i]
+            x = layer(x, memory, is_causal=True, tgt_key_padding_mask=tgt_key_padding_mask,
+                      memory_key_padding_mask=memory_key_padding_mask,
+                      self_kv_cache=None if cache is None else cache.self_attn,
+                      cross_kv_cache=None if cache is None else cache.cross_attn)
+        return self.norm(x)
+
+    def new_kv_caches(self, memory: Tensor, max_len: int | None = None, *,
+                      repeats: int = 1) -> list[DecoderCache]:
+        """One `DecoderCache` per layer for B·repeats rows decoding up to max_len positions
+        (default: the positional table's length); the memory's keys/values are projected here, once."""
+        _checks.check_tensor("memory", memory, ndim=3, shape_doc="(B, m, d_model)")
+        _checks.check_positive_int("repeats", repeats)
+        max_len = self.max_len if max_len is None else _checks.check_positive_int("max_len", max_len)
+        parameter = self.embedding.weight
+        caches = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
+                          dtype=parameter.dtype, device=parameter.device)
+            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats)))
+        return caches

@@ -1,0 +1,320 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al. 2017).
+
+    z = Encoder(src)                                   (B, m, d_model), source padding masked
+    h = Decoder(tgt_in, z)                             (B, n, d_model), causal over the target
+    logits = h Eᵀ                                      output projection tied to the target embedding E
+    loss = −Σ_k q'(k) log softmax(logits)_k,  q' = (1 − ε_ls)·onehot(y) + ε_ls / V
+                                                       label smoothing (section 5.4), padding ignored
+
+Embeddings are scaled by √d_model and summed with sinusoidal positions; with share_embeddings the
+source and target share E (one vocabulary, as with the paper's shared BPE). Weights are initialised as
+in torch.nn.Transformer (Xavier-uniform matrices) except the embedding, N(0, d_model^−½), so that
+E[x]·√d_model has unit variance and the tied logits h Eᵀ start at unit scale.
+
+Decoding (section 6.1) binds the encoder memory of the sources to the decoder (`bind`), which gives the
+`generation` module's loops a model of the next target token: greedy decoding is
+`generation.generate` at temperature 0, beam search is `generation.beam_search` (beam 4, α = 0.6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from .. import _checks
+from ..attention import BACKENDS
+from ..config import Config
+from ..decoder import Decoder, DecoderCache
+from ..feedforward import ACTIVATIONS
+from ..generation import beam_search, generate as generate_tokens
+from ..layers import Encoder
+
+EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
+
+
+@dataclasses.dataclass
+class TransformerConfig(Config):
+    """Shape and options of a `Transformer`. The vocabulary sizes and special ids usually come from the
+    tokenizer at training time; n_encoder_layers / n_decoder_layers default to n_layers."""
+
+    src_vocab_size: int = 32000
+    tgt_vocab_size: int = 32000
+    n_layers: int = 6
+    n_encoder_layers: int | None = None
+    n_decoder_layers: int | None = None
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    d_model: int = 512
+    d_ff: int = 2048
+    dropout: float = 0.1
+    activation: str = "relu"
+    norm_first: bool = False
+    share_embeddings: bool = True
+    tie_weights: bool = True
+    max_len: int = 256
+    label_smoothing: float = 0.1
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    backend: str = "auto"
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        # Table 3 of the paper: the base model (65M parameters) and the big one (213M).
+        "base": dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),
+        "big": dict(n_layers=6, d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
+        # CPU presets, chosen by experiment on 2 shared cores (see benchmarks/seq2seq.py). "tiny"
+        # learns `copy` exactly in 900 steps; one pre-LN layer without label smoothing converged
+        # fastest and most steadily of those tried. "small" learns `numbers-en-fr` in minutes.
+        "tiny": dict(n_layers=1, d_model=64, n_heads=4, d_ff=128, dropout=0.0, norm_first=True,
+                     label_smoothing=0.0, max_len=64),
+        "small": dict(n_layers=2, d_model=128, n_heads=4, d_ff=512, dropout=0.0, max_len=128),
+    }
+
+    def validate(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "n_layers", "n_heads", "d_model", "d_ff",
+                     "max_len"):
+            _checks.check_positive_int(name, getattr(self, name))
+        for name in ("n_encoder_layers", "n_decoder_layers", "n_kv_heads"):
+            if getattr(self, name) is not None:
+                _checks.check_positive_int(name, getattr(self, name))
+        _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
+        if self.n_kv_heads is not None:
+            _checks.check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        if self.d_model % 2:
+            raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
+        _checks.check_probability("dropout", self.dropout)
+        _checks.check_probability("label_smoothing", self.label_smoothing)
+        _checks.check_choice("activation", self.activation, ACTIVATIONS)
+        _checks.check_choice("backend", self.backend, BACKENDS)
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
+                             f"{self.src_vocab_size} and tgt_vocab_size={self.tgt_vocab_size}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name} must be a token id in [0, {min(self.src_vocab_size, self.tgt_vocab_size)}), "
+                                 f"got {value}")
+        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
+            raise ValueError(f"pad_id, bos_id and eos_id must differ, got {self.pad_id}, {self.bos_id}, "
+                             f"{self.eos_id}")
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.n_encoder_layers or self.n_layers
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers or self.n_layers
+
+
+def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, smoothing: float,
+                                 ignore_index: int) -> Tensor:
+    """Mean over targets != ignore_index of −Σ_k q'(k) log p(k), q' = (1 − ε)·onehot(y) + ε / V.
+
+    logits (..., V), targets (...). Computed in float32 whatever the logits' dtype.
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=ignore_index, label_smoothing=smoothing)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer. forward(src (B, m), tgt_in (B, n), tgt_out (B, n) | None)
+    -> (logits (B, n, tgt_vocab_size), label-smoothed loss | None)."""
+
+    family = "transformer"
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        self.tokenizer = None  # set by from_checkpoint
+        shape = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
+                     max_len=config.max_len)
+        options = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
+                       norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend)
+        self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **shape, **options)
+        self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **shape, **options)
+        if config.share_embeddings:
+            self.decoder.embedding = self.encoder.embedding
+        self.output = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_weights:
+            self.output.weight = self.decoder.embedding.weight
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=self.config.d_model ** -0.5)
+                with torch.no_grad():
+                    module.weight[self.config.pad_id].zero_()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.max_len
+
+    def num_parameters(self) -> int:
+        """Parameters counted once (shared embeddings and the tied projection are one matrix)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------ forward
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, m) -> (memory (B, m, d_model), source padding mask (B, m), True = real token)."""
+        _checks.check_token_ids("src", src, self.config.src_vocab_size)
+        mask = src != self.config.pad_id
+        return self.encoder(src, key_padding_mask=mask), mask
+
+    def decode(self, tgt: Tensor, memory: Tensor, memory_key_padding_mask: Tensor | None = None, *,
+               tgt_key_padding_mask: Tensor | None = None,
+               kv_caches: list[DecoderCache] | None = None) -> Tensor:
+        """tgt (B, n) and memory (B, m, d_model) -> next-token logits (B, n, tgt_vocab_size).
+        Masks (True = real token) and caches as in `Decoder.forward`."""
+        h = self.decoder(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                         memory_key_padding_mask=memory_key_padding_mask, kv_caches=kv_caches)
+        return self.output(h)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """src (B, m) source ids, tgt_in (B, n) = BOS y_1 .. y_{n-1}, tgt_out (B, n) = y_1 .. y_n
+        (EOS last); pad_id pads all three. Returns logits (B, n, V) and the label-smoothed loss."""
+        _checks.check_tensor("src", src, ndim=2, shape_doc="(B, m)")
+        _checks.check_tensor("tgt_in", tgt_in, ndim=2, shape_doc="(B, n)")
+        if tgt_in.shape[0] != src.shape[0]:
+            raise ValueError(f"src and tgt_in must have the same batch size, got src {tuple(src.shape)} "
+                             f"and tgt_in {tuple(tgt_in.shape)}")
+        memory, src_mask = self.encode(src)
+        logits = self.decode(tgt_in, memory, src_mask, tgt_key_padding_mask=tgt_in != self.config.pad_id)
+        if tgt_out is None:
+            return logits, None
+        _checks.check_tensor("tgt_out", tgt_out, ndim=2, shape_doc="(B, n)")
+        if tgt_out.shape != tgt_in.shape:
+            raise ValueError(f"tgt_out must have the shape of tgt_in {tuple(tgt_in.shape)}, "
+                             f"got {tuple(tgt_out.shape)}")
+        loss = label_smoothed_cross_entropy(logits, tgt_out, self.config.label_smoothing, self.config.pad_id)
+        return logits, loss
+
+    # ------------------------------------------------------------------ decoding
+
+    def bind(self, src: Tensor) -> SourceBoundDecoder:
+        """Encode src (B, m) once; the result predicts target tokens for `generation`'s loops."""
+        memory, mask = self.encode(src)
+        return SourceBoundDecoder(self, memory, mask)
+
+    @torch.no_grad()
+    def generate(self, src: Tensor, *, beam_size: int = 1, length_penalty: float = 0.6,
+                 max_new_tokens: int | None = None, use_cache: bool = True) -> Tensor:
+        """Translate src (B, m) -> (B, 1 + L): BOS, the output tokens, then EOS padding.
+
+        beam_size 1 is greedy decoding; otherwise beam search with length penalty α = length_penalty.
+        By default row b stops after (its source length + 50) tokens (at most max_len).
+        """
+        _checks.check_positive_int("beam_size", beam_size)
+        was_training = self.training
+        self.eval()
+        try:
+            bound = self.bind(src)
+            limits = bound.memory_key_padding_mask.sum(dim=1) + EXTRA_OUTPUT_TOKENS  # (B,)
+            steps = min(int(limits.max()), self.config.max_len) if max_new_tokens is None else max_new_tokens
+            bos = torch.full((src.shape[0], 1), self.config.bos_id, dtype=torch.long, device=src.device)
+            if beam_size == 1:
+                tokens = generate_tokens(bound, bos, steps, temperature=0.0, eos_id=self.config.eos_id,
+                                         use_cache=use_cache)
+            else:
+                tokens, _ = beam_search(bound, bos, steps, beam_size=beam_size, length_penalty=length_penalty,
+                                        eos_id=self.config.eos_id, use_cache=use_cache)
+        finally:
+            self.train(was_training)
+        if max_new_tokens is None:
+            position = torch.arange(tokens.shape[1], device=tokens.device)  # BOS is position 0
+            tokens = tokens.masked_fill(position > limits.unsqueeze(1), self.config.eos_id)
+        return tokens
+
+    def translate(self, texts: Sequence[str], *, beam_size: int = 1, length_penalty: float = 0.6,
+                  batch_size: int = 64, tokenizer: Any = None) -> list[str]:
+        """Translate sentences with `tokenizer` (default: the checkpoint's), batching sources of
+        similar length together; the translations come back in the order of `texts`."""
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is None:
+            raise ValueError("translate needs a tokenizer: pass tokenizer=... or load the model with "
+                             "Transformer.from_checkpoint")
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of str, got a str; wrap one sentence in a list")
+        _checks.check_positive_int("batch_size", batch_size)
+        encoded = [torch.tensor(tokenizer.encode(text), dtype=torch.long) for text in texts]
+        order = sorted((i for i in range(len(encoded)) if len(encoded[i])), key=lambda i: len(encoded[i]))
+        device = self.output.weight.device
+        translations = [""] * len(encoded)  # an empty source translates to an empty target
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            src = pad_sequence([encoded[i] for i in chunk], batch_first=True, padding_value=self.config.pad_id)
+            for i, row in zip(chunk, self.generate(src.to(device), beam_size=beam_size,
+                                                   length_penalty=length_penalty)):
+                translations[i] = tokenizer.decode(row[1:])
+        return translations
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "Transformer":
+        """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
+        from ..checkpoint import load_checkpoint
+        from ..tokenizers import load_tokenizer
+
+        checkpoint = load_checkpoint(directory)
+        if checkpoint.family != cls.family:
+            raise ValueError(f"checkpoint {directory} holds a {checkpoint.family!r} model, not a Transformer")
+        model = cls(TransformerConfig.from_dict(checkpoint.model_config))
+        model.load_state_dict(checkpoint.state_dict)
+        model.to(map_location)
+        model.tokenizer = load_tokenizer(checkpoint.path)
+        return model.eval()
+
+
+class SourceBoundDecoder:
+    """The decoder with the encoder memory of B sources bound: a next-token model over target
+    prefixes, as `generation.generate` and `generation.beam_search` expect.
+
+    It accepts any multiple r·B of rows: rows b·r .. b·r + r − 1 all translate source b (beams).
+    `new_kv_caches` projects the memory's cross-attention keys/values once, for all decoding steps.
+    """
+
+    def __init__(self, model: Transformer, memory: Tensor, memory_key_padding_mask: Tensor):
+        self.model = model
+        self.memory, self.memory_key_padding_mask = memory, memory_key_padding_mask
+        self.block_size = model.config.max_len
+        self._expanded: tuple[int, Tensor, Tensor] | None = None
+
+    def _repeats(self, rows: int) -> int:
+        sources = self.memory.shape[0]
+        if rows % sources:
+            raise ValueError(f"a decoder bound to {sources} sources takes a multiple of {sources} rows, "
+                             f"got {rows}")
+        return rows // sources
+
+    def _memory_for(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The memory and its mask with each source repeated for its rows (computed once per size)."""
+        repeats = self._repeats(rows)
+        if self._expanded is None or self._expanded[0] != repeats:
+            self._expanded = (repeats, self.memory.repeat_interleave(repeats, dim=0),
+                              self.memory_key_padding_mask.repeat_interleave(repeats, dim=0))
+        return self._expanded[1], self._expanded[2]
+
+    def new_kv_caches(self, batch_size: int) -> list[DecoderCache]:
+        return self.model.decoder.new_kv_caches(self.memory, self.block_size,
+                                                repeats=self._repeats(batch_size))
+
+    def __call__(self, idx: Tensor, *, kv_caches: list[DecoderCache] | None = None) -> tuple[Tensor, None]:
+        memory, mask = self._memory_for(idx.shape[0])
+        return self.model.decode(idx, memory, mask, kv_caches=kv_caches), None
