@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 
 from . import _checks
@@ -30,15 +31,25 @@ from .positional import SinusoidalPositionalEncoding
 
 @dataclasses.dataclass
 class DecoderCache:
-    """The caches of one decoder layer: its own past positions and the projected memory."""
+    """The caches of one decoder layer: its own past positions and the projected memory.
+
+    sources (B,), when given, names the source of each row: rows with the same source hold the same
+    memory keys/values (the beams of one sentence), so a reorder that keeps every row's source
+    leaves the memory cache as it is instead of copying it.
+    """
 
     self_attn: KVCache
     cross_attn: KVCache
+    sources: Tensor | None = None
 
     def reorder(self, batch_indices: Tensor) -> None:
         """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around)."""
         self.self_attn.reorder(batch_indices)
+        if self.sources is not None and torch.equal(self.sources[batch_indices], self.sources):
+            return
         self.cross_attn.reorder(batch_indices)
+        if self.sources is not None:
+            self.sources = self.sources[batch_indices]
 
 
 class DecoderLayer(nn.Module):
@@ -179,10 +190,11 @@ class Decoder(nn.Module):
         _checks.check_positive_int("repeats", repeats)
         max_len = self.max_len if max_len is None else _checks.check_positive_int("max_len", max_len)
         parameter = self.embedding.weight
+        sources = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
         caches = []
         for layer in self.layers:
             attn = layer.self_attn
             own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
                           dtype=parameter.dtype, device=parameter.device)
-            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats)))
+            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources))
         return caches

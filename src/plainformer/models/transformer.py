@@ -161,10 +161,6 @@ class Transformer(nn.Module):
                 with torch.no_grad():
                     module.weight[self.config.pad_id].zero_()
 
-    @property
-    def block_size(self) -> int:
-        return self.config.max_len
-
     def num_parameters(self) -> int:
         """Parameters counted once (shared embeddings and the tied projection are one matrix)."""
         return sum(p.numel() for p in self.parameters())
@@ -207,10 +203,11 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ decoding
 
-    def bind(self, src: Tensor) -> SourceBoundDecoder:
-        """Encode src (B, m) once; the result predicts target tokens for `generation`'s loops."""
+    def bind(self, src: Tensor, *, max_len: int | None = None) -> SourceBoundDecoder:
+        """Encode src (B, m) once; the result predicts target tokens for `generation`'s loops.
+        max_len: target positions it holds (its block_size and cache length; default config.max_len)."""
         memory, mask = self.encode(src)
-        return SourceBoundDecoder(self, memory, mask)
+        return SourceBoundDecoder(self, memory, mask, max_len or self.config.max_len)
 
     @torch.no_grad()
     def generate(self, src: Tensor, *, beam_size: int = 1, length_penalty: float = 0.6,
@@ -224,9 +221,10 @@ class Transformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            bound = self.bind(src)
-            limits = bound.memory_key_padding_mask.sum(dim=1) + EXTRA_OUTPUT_TOKENS  # (B,)
+            limits = (src != self.config.pad_id).sum(dim=1) + EXTRA_OUTPUT_TOKENS  # (B,)
             steps = min(int(limits.max()), self.config.max_len) if max_new_tokens is None else max_new_tokens
+            # The last token is predicted from `steps` positions: caches that long, no longer.
+            bound = self.bind(src, max_len=min(max(1, steps), self.config.max_len))
             bos = torch.full((src.shape[0], 1), self.config.bos_id, dtype=torch.long, device=src.device)
             if beam_size == 1:
                 tokens = generate_tokens(bound, bos, steps, temperature=0.0, eos_id=self.config.eos_id,
@@ -290,10 +288,14 @@ class SourceBoundDecoder:
     `new_kv_caches` projects the memory's cross-attention keys/values once, for all decoding steps.
     """
 
-    def __init__(self, model: Transformer, memory: Tensor, memory_key_padding_mask: Tensor):
+    def __init__(self, model: Transformer, memory: Tensor, memory_key_padding_mask: Tensor, block_size: int):
+        _checks.check_positive_int("max_len", block_size)
+        if block_size > model.config.max_len:
+            raise ValueError(f"max_len must be at most the model's max_len={model.config.max_len}, "
+                             f"got {block_size}")
         self.model = model
         self.memory, self.memory_key_padding_mask = memory, memory_key_padding_mask
-        self.block_size = model.config.max_len
+        self.block_size = block_size
         self._expanded: tuple[int, Tensor, Tensor] | None = None
 
     def _repeats(self, rows: int) -> int:
