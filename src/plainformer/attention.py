@@ -151,11 +151,15 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dro
     k, v = _expand_kv_heads(q, k), _expand_kv_heads(q, v)
     n, m = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (..., n, m)
+    # why: scaling q costs d/m of scaling the scores; masking in place saves a copy (autograd keeps
+    # q and k for the matmul's backward, not its output)
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m)
+    every_row_sees_a_key = mask is None  # also when causal: query i sees key 0
     mask = _combined_mask(mask, is_causal, n, m, scores.dtype, scores.device)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = _masked_softmax(scores)
+        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    # why: torch's softmax is one fused kernel; the guarded one is needed only for all-masked rows
+    weights = torch.softmax(scores, dim=-1) if every_row_sees_a_key else _masked_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights  # (..., n, d_v), (..., n, m)
@@ -210,7 +214,10 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dr
 def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: Tensor | None, dropout_p: float) -> str:
     """The exact path `backend="auto"` takes.
 
-    torch's fused kernel (sdpa) is the fastest exact path on CPU for every mask, so auto picks it.
+    torch's fused kernel (sdpa) is the fastest exact path on CPU for fp32 and for long bf16 inputs, so
+    auto picks it, except for bf16 with several queries and at most 512 keys (training a small GPT):
+    there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
+    n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
     On CUDA with a key-padding (or no) mask and no dropout, our Triton FlashAttention is used when
     triton is installed; otherwise sdpa again.
     """
@@ -220,6 +227,8 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: Tensor | None, dro
     if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and _triton_available() and (
             mask is None or _key_padding_from_mask(mask, q, k) is not None):
         return "flash"
+    if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
+        return "math"
     return "sdpa"
 
 
