@@ -219,12 +219,13 @@ def _decode(model: pf.GPT, prompt: torch.Tensor, steps: int, **options) -> tuple
 
 
 @pytest.mark.parametrize("variant", CACHE_VARIANTS)
-def test_cached_logits_at_every_generated_position_equal_the_full_forward_pass(variant):
+@pytest.mark.parametrize("decoder", ["model", "model.decoder()"])
+def test_cached_logits_at_every_generated_position_equal_the_full_forward_pass(variant, decoder):
     model = _gpt(**CACHE_VARIANTS[variant])
     prompt = _tokens(2, 5)
     steps = TINY["block_size"] - prompt.shape[1]
-    tokens, logits = _decode(model, prompt, steps, temperature=1.0,
-                             generator=torch.Generator().manual_seed(3))
+    tokens, logits = _decode(model if decoder == "model" else model.decoder(), prompt, steps,
+                             temperature=1.0, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(torch.cat((prompt, tokens), dim=1)[:, :-1])[0]
     assert_close(logits, full[:, prompt.shape[1] - 1:], "cached vs full logits")
@@ -254,6 +255,20 @@ def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_restores_onednn():
+    """A batch-1 bf16 step runs on ATen's matmul kernels instead of oneDNN's (see GPTDecoder): the
+    logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
+    relative to the largest logit), and the process-wide oneDNN switch is as it was afterwards."""
+    model = _gpt().to(torch.bfloat16)
+    prompt = _tokens(1, 5)
+    enabled = torch.backends.mkldnn.enabled
+    tokens, logits = _decode(model.decoder(), prompt, 15, temperature=0)
+    assert torch.backends.mkldnn.enabled == enabled
+    with torch.no_grad():
+        full = model(torch.cat((prompt, tokens), dim=1)[:, :-1])[0][:, prompt.shape[1] - 1:].float()
+    assert (logits.float() - full).abs().max() <= 2 * 2**-8 * full.abs().max()
+
+
 def _sliding_reference(model: pf.GPT, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The logits generation.py documents: the context is at most block_size tokens; when it would grow
     past that, it restarts from the last block_size // 2 tokens, then grows again. One full pass each."""
@@ -273,7 +288,8 @@ def test_sliding_context_past_block_size_matches_the_documented_windows(variant,
     model = _gpt(**CACHE_VARIANTS[variant])
     prompt = _tokens(2, prompt_length)
     steps = 3 * TINY["block_size"]
-    tokens, cached = _decode(model, prompt, steps, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    tokens, cached = _decode(model.decoder(), prompt, steps, temperature=1.0,
+                             generator=torch.Generator().manual_seed(7))
     uncached_tokens, uncached = _decode(model, prompt, steps, temperature=1.0, use_cache=False,
                                         generator=torch.Generator().manual_seed(7))
     assert torch.equal(tokens, uncached_tokens)
