@@ -44,6 +44,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
     """logits (B, V) -> next token ids (B,)."""
+    _checks.check_tensor("logits", logits, ndim=2, shape_doc="(B, V)")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
