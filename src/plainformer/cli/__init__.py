@@ -70,14 +70,14 @@ def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bert, gpt
+    from . import bert, gpt, seq2seq
 
     parser = argparse.ArgumentParser(
         prog="plainformer",
         description="Train, evaluate and sample Transformers built from first principles.")
     parser.add_argument("--version", action="version", version=f"plainformer {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (gpt, bert):
+    for module in (gpt, seq2seq, bert):
         module.register(subcommands)
     return parser
 

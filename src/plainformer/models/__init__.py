@@ -2,3 +2,4 @@
 
 from .gpt import GPT, GPTConfig
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .transformer import Transformer, TransformerConfig
