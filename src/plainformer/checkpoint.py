@@ -331,6 +331,21 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
                       trainer_state=trainer_state, format_version=config["format_version"])
 
 
+def load_model(directory: str | os.PathLike, model_cls: type[nn.Module], config_cls: type,
+               *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """A trained `model_cls` (checked against its `family`) built from the saved `config_cls` and
+    weights, in eval mode, with the saved tokenizer (if any) as `.tokenizer`."""
+    checkpoint = load_checkpoint(directory)
+    if checkpoint.family != model_cls.family:
+        raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
+                              f"not a {model_cls.__name__} ({model_cls.family!r})")
+    model = model_cls(config_cls.from_dict(checkpoint.model_config))
+    checkpoint.restore_model(model)
+    model.to(map_location)
+    model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+    return model.eval()
+
+
 def _locate(directory: Path) -> Path:
     old = _old_path(directory)
     if not directory.exists() and old.is_dir():

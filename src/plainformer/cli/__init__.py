@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import __version__
@@ -67,6 +68,14 @@ def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict
     """The config fields given on the command line."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)
             if getattr(args, f.name, None) is not None}
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """A checkpoint directory, or a run directory holding best/ (preferred) or last/."""
+    for candidate in (path / "best", path / "last"):
+        if candidate.is_dir():
+            return candidate
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:

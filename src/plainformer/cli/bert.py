@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import UserError, add_config_arguments, config_overrides, log
+from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
 from .. import data
 from ..checkpoint import load_checkpoint
 from ..interop import MINILM_NAME, resolve_bert_path
@@ -22,7 +22,6 @@ from ..models.bert import IGNORE_INDEX, BertConfig, BertForMaskedLM, BertForSequ
 from ..sentence import SentenceEncoder, load_bert
 from ..tokenizers import WordPieceTokenizer, atomic_path
 from ..training import Trainer, TrainConfig
-from .gpt import _checkpoint_dir  # a run directory -> its best/ or last/ checkpoint
 
 # Recipes that fit a few minutes on 2 CPU cores (TrainConfig fields; options given override them).
 PRETRAIN_DEFAULTS = dict(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
@@ -72,7 +71,7 @@ def accuracy(model: torch.nn.Module, source: Any, n_batches: int, batch_size: in
 
 def _model_location(name: str) -> str | Path:
     """"minilm", else a directory: Hugging Face, a checkpoint, or a run directory (its best/ or last/)."""
-    return name if name == MINILM_NAME else _checkpoint_dir(Path(name))
+    return name if name == MINILM_NAME else checkpoint_dir(Path(name))
 
 
 def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainConfig:

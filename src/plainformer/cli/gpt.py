@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import UserError, add_config_arguments, config_overrides, log
+from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
 from ..checkpoint import load_checkpoint
 from ..data import LMBatchSource, prepare_lm_data
 from ..generation import iter_generate
@@ -90,16 +90,8 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- loading
 
-def _checkpoint_dir(path: Path) -> Path:
-    """A checkpoint directory, or a run directory holding best/ (preferred) or last/."""
-    for candidate in (path / "best", path / "last"):
-        if candidate.is_dir():
-            return candidate
-    return path
-
-
 def _load_model(path: Path, dtype: str) -> GPT:
-    model = GPT.from_checkpoint(_checkpoint_dir(path))
+    model = GPT.from_checkpoint(checkpoint_dir(path))
     return model.to(torch.bfloat16) if dtype == "bfloat16" else model
 
 

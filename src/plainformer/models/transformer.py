@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
 from ..attention import BACKENDS
+from ..checkpoint import load_model
 from ..config import Config
 from ..decoder import Decoder, DecoderCache
 from ..feedforward import ACTIVATIONS
@@ -267,17 +268,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "Transformer":
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
-        from ..checkpoint import load_checkpoint
-        from ..tokenizers import load_tokenizer
-
-        checkpoint = load_checkpoint(directory)
-        if checkpoint.family != cls.family:
-            raise ValueError(f"checkpoint {directory} holds a {checkpoint.family!r} model, not a Transformer")
-        model = cls(TransformerConfig.from_dict(checkpoint.model_config))
-        model.load_state_dict(checkpoint.state_dict)
-        model.to(map_location)
-        model.tokenizer = load_tokenizer(checkpoint.path)
-        return model.eval()
+        return load_model(directory, cls, TransformerConfig, map_location=map_location)
 
 
 class SourceBoundDecoder:
