@@ -1,0 +1,156 @@
+"""Greedy decoding speed at the GPT-2 (124M) shape against Hugging Face `generate` (issue 3).
+
+    python benchmarks/generate.py [--new-tokens 256] [--prompt 32] [--repeats 3] [--uncached-repeats 1]
+
+Batch 1, a random 32-token prompt, 256 new tokens, temperature 0 (argmax), random weights (HF's GPT-2
+initialisation, copied into ours by `_hf_gpt2.gpt2_pair`, so both models compute the same function
+and must produce the same tokens in fp32: the last column counts the leading tokens equal to the
+peer's; in bf16 rounding differs between implementations, so they part sooner or later). Rows:
+  ours (KV cache)     `GPT.generate(..., temperature=0)`: preallocated KV cache, one token per step
+  ours (no cache)     `use_cache=False`: the whole context again at every step
+  ours bf16           the same model cast to bfloat16 (weights, cache and activations)
+  HF                  `GPT2LMHeadModel.generate(do_sample=False)` (its dynamic KV cache), fp32 and bf16
+Timing: each decoder is warmed up on a short run, then `--repeats` rounds time every decoder once
+(interleaved, so a busy machine slows them all alike); the uncached path is slow and runs only in
+the first `--uncached-repeats` rounds. Medians are quoted. ratio = ours / peer in tokens/s (higher is
+better); the last row compares our cached decoding with our uncached one.
+
+Memory: the extra peak bytes of torch's CPU allocator while decoding MEMORY_TOKENS = 16 tokens beyond
+the weights (caches, logits, our decoder's transposed fp32 output weight; `attention.extra_peak_bytes`),
+untimed.
+
+Bound: decoding one token reads every weight once, so tokens/s <= memory bandwidth / weight bytes; the
+script measures the bandwidth (copying a 512 MB buffer) and prints that bound for fp32 and bf16.
+Output: a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_gpt2 import gpt2_pair  # noqa: E402
+from attention import extra_peak_bytes  # noqa: E402
+
+MEMORY_TOKENS = 16
+
+# (what, ours, peer) rows of the table, by decoder name
+COMPARISONS = [
+    ("fp32: ours (KV cache) vs HF", "ours (KV cache)", "HF"),
+    ("bf16: ours (KV cache) vs HF bf16", "ours bf16 (KV cache)", "HF bf16"),
+    ("ours bf16 vs HF fp32", "ours bf16 (KV cache)", "HF"),
+    ("fp32: ours KV cache vs no cache", "ours (KV cache)", "ours (no cache)"),
+]
+GPT2 = dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, vocab_size=50257, block_size=1024)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt length")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the cached decoders")
+    parser.add_argument("--uncached-repeats", type=int, default=1, help="rounds that also time use_cache=False")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if min(args.new_tokens, args.prompt, args.repeats) < 1 or args.uncached_repeats < 0:
+        parser.error("--new-tokens, --prompt and --repeats must be positive")
+    return args
+
+
+def memory_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
+    """Best bytes/s of copying a buffer (read + write) too large for the caches."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tensor]], int]:
+    """(name -> function(n) decoding n new tokens greedily from `prompt`, returning them (1, n);
+    the number of parameters)."""
+    ours, theirs = gpt2_pair(**GPT2)
+    ours.eval(), theirs.eval()
+    theirs.generation_config.eos_token_id = None  # never stop early: exactly n tokens
+    theirs.generation_config.pad_token_id = 0
+    ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    theirs_bf16 = copy.deepcopy(theirs).to(torch.bfloat16)
+    mask = torch.ones_like(prompt)
+
+    def ours_call(model, use_cache=True):
+        return lambda n: model.generate(prompt, n, temperature=0, use_cache=use_cache)[:, prompt.shape[1]:]
+
+    def hf_call(model):
+        return lambda n: model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                        do_sample=False)[:, prompt.shape[1]:]
+
+    return {"ours (KV cache)": ours_call(ours), "HF": hf_call(theirs),
+            "ours bf16 (KV cache)": ours_call(ours_bf16), "HF bf16": hf_call(theirs_bf16),
+            "ours (no cache)": ours_call(ours, use_cache=False)}, ours.num_parameters()
+
+
+def agreeing_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
+    """How many leading tokens of (1, n) `tokens` equal `reference`'s."""
+    differ = (tokens != reference).flatten().nonzero()
+    return int(differ[0]) if len(differ) else tokens.numel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bandwidth = memory_bandwidth()
+    prompt = torch.randint(GPT2["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    calls, n_parameters = decoders(prompt)
+    weight_bytes = {"fp32": n_parameters * 4, "bf16": n_parameters * 2}
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
+          f"threads; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s -> bound "
+          f"{bandwidth / weight_bytes['fp32']:.0f} tok/s fp32, {bandwidth / weight_bytes['bf16']:.0f} tok/s bf16")
+    for call in calls.values():
+        call(4)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    tokens: dict[str, torch.Tensor] = {}
+    for round_ in range(args.repeats):
+        for name, call in calls.items():
+            if name == "ours (no cache)" and round_ >= args.uncached_repeats:
+                continue
+            start = time.perf_counter()
+            tokens[name] = call(args.new_tokens)
+            times[name].append(time.perf_counter() - start)
+    speed = {name: args.new_tokens / statistics.median(ts) for name, ts in times.items() if ts}
+    peak_mib = {name: extra_peak_bytes(lambda call=call: call(MEMORY_TOKENS)) / 2**20
+                for name, call in calls.items() if name in speed}
+    rows = []
+    print(f"{'what':<34} {'ours tok/s':>10} {'peer tok/s':>10} {'ratio':>6} {'peak MiB ours/peer':>19}  "
+          f"tokens as peer's")
+    for what, ours, peer in COMPARISONS:
+        if ours not in speed or peer not in speed:
+            continue
+        row = {"what": what, "ours": ours, "peer": peer, "ours_tokens_per_s": speed[ours],
+               "peer_tokens_per_s": speed[peer], "ratio": speed[ours] / speed[peer],
+               "ours_peak_mib": peak_mib[ours], "peer_peak_mib": peak_mib[peer],
+               "tokens_as_peer": agreeing_prefix(tokens[ours], tokens[peer])}
+        rows.append(row)
+        print(f"{what:<34} {speed[ours]:>10.1f} {speed[peer]:>10.1f} {row['ratio']:>5.2f}x "
+              f"{peak_mib[ours]:>9.0f}/{peak_mib[peer]:<9.0f}  {row['tokens_as_peer']}/{args.new_tokens}")
+    print("ratio = ours / peer tokens/s (higher is better)")
+    print(json.dumps({"benchmark": "generate", "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+                      "prompt": args.prompt, "memory_bandwidth": bandwidth, "repeats": args.repeats,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""GPT training throughput against Hugging Face GPT-2 of the same shape (issue 3).
+
+    python benchmarks/train_gpt.py [--repeats 5] [--steps 5] [--shapes nanogpt-cpu 6x384] [--dtypes fp32 bf16]
+
+One training step = forward with targets, backward, AdamW update, zero_grad, on a fixed random batch.
+Shapes: nanogpt-cpu (4 layers, 4 heads, d_model 128, d_ff 512, vocab 65, batch 12 x 64) and 6x384
+(6 / 6 / 384, d_ff 1536, vocab 65, batch 8 x 256). Both models are GPT-2 with the same weights
+(`_hf_gpt2.gpt2_pair`: learned positions, biases, tanh-GELU, LayerNorm, tied output, no dropout), so
+their first losses (in the JSON line) agree. The peer is `transformers.GPT2LMHeadModel`
+(attn_implementation="sdpa") with a plain `torch.optim.AdamW`; ours is `plainformer.GPT` (attention
+backend "auto") with the optimizer our trainer builds by default (`training.make_optimizer`, the fused
+AdamW kernel), no torch.compile. fp32, and bf16 under torch.autocast on both sides.
+
+Timing: both models start from the same weights and run on identical batches in this one process. Each
+is warmed up, then `--repeats` rounds each time `--steps` steps of ours and of the peer, alternating who
+goes first (interleaved, so a busy machine slows both alike); medians of the rounds are quoted.
+ratio = ours / peer in tokens/s (higher is better).
+
+MFU: model FLOPs per step = 6·N·tokens + 12·L·d_model·T·tokens (the attention scores and weighted sum,
+counted without causal savings as in PaLM's appendix B), N = parameters without the position table.
+It is divided by the matmul throughput the script measures first (fp32 and bf16, square matmuls).
+Memory: the extra peak bytes of torch's CPU allocator during one training step (activations, gradients
+and temporaries beyond the weights and optimizer state; `attention.extra_peak_bytes`), untimed.
+Output: a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_gpt2 import gpt2_pair  # noqa: E402
+from attention import extra_peak_bytes  # noqa: E402
+
+import plainformer as pf  # noqa: E402
+from plainformer.training import TrainConfig, make_optimizer  # noqa: E402
+
+SHAPES = {
+    "nanogpt-cpu": dict(n_layers=4, n_heads=4, d_model=128, d_ff=512, vocab_size=65, block_size=64, batch=12),
+    "6x384": dict(n_layers=6, n_heads=6, d_model=384, d_ff=1536, vocab_size=65, block_size=256, batch=8),
+}
+DTYPES = ("fp32", "bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per model")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per round")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be positive")
+    return args
+
+
+def matmul_flops_per_s(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best throughput of repeated (size x size) @ (size x size) matmuls in `dtype`, FLOP/s."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable,
+                  bf16: bool) -> Callable[[], float]:
+    """A function running one training step and returning its loss."""
+    def step() -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def flops_per_step(model: pf.GPT, tokens: int) -> float:
+    config = model.config
+    n = model.num_parameters() - model.position.embedding.weight.numel()
+    return 6 * n * tokens + 12 * config.n_layers * config.d_model * config.block_size * tokens
+
+
+def measure(name: str, shape: dict, dtype: str, args: argparse.Namespace) -> dict:
+    ours, theirs = gpt2_pair(**{k: v for k, v in shape.items() if k != "batch"})
+    ours.train(), theirs.train()
+    batch, block = shape["batch"], shape["block_size"]
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(shape["vocab_size"], (batch, block), generator=gen)
+    targets = torch.randint(shape["vocab_size"], (batch, block), generator=gen)
+    bf16 = dtype == "bf16"
+    our_optimizer = make_optimizer(ours, TrainConfig())
+    steps = {
+        "ours": training_step(ours, our_optimizer, lambda m: m(idx, targets)[1], bf16),
+        "peer": training_step(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3),
+                              lambda m: m(idx, labels=targets, shift_labels=targets).loss, bf16),
+    }
+    first_loss = {who: step() for who, step in steps.items()}  # warm-up; also makes the optimizer state
+    times: dict[str, list[float]] = {who: [] for who in steps}
+    for round_ in range(args.repeats):
+        for who in (("ours", "peer") if round_ % 2 == 0 else ("peer", "ours")):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                steps[who]()
+            times[who].append(time.perf_counter() - start)
+    peaks = {who: extra_peak_bytes(step) for who, step in steps.items()}
+    tokens = batch * block * args.steps
+    tokens_per_s = {who: tokens / statistics.median(ts) for who, ts in times.items()}
+    flops = flops_per_step(ours, batch * block) * args.steps
+    return {"shape": name, "dtype": dtype, "batch": f"{batch}x{block}",
+            "ours_tokens_per_s": tokens_per_s["ours"], "peer_tokens_per_s": tokens_per_s["peer"],
+            "ratio": tokens_per_s["ours"] / tokens_per_s["peer"],
+            "ours_tflops": flops / statistics.median(times["ours"]) / 1e12,
+            "peer_tflops": flops / statistics.median(times["peer"]) / 1e12,
+            "ours_peak_mib": peaks["ours"] / 2**20, "peer_peak_mib": peaks["peer"] / 2**20,
+            "first_loss": first_loss, "ours_optimizer_fused": our_optimizer.defaults.get("fused")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peak = {"fp32": matmul_flops_per_s(torch.float32), "bf16": matmul_flops_per_s(torch.bfloat16)}
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads; measured matmul peak: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s")
+    print("ours: plainformer.GPT, attention 'auto' (torch sdpa; in bf16 with <= 512 keys our math path), "
+          "optimizer from training.make_optimizer (fused AdamW), no torch.compile; "
+          "peer: GPT2LMHeadModel(sdpa), torch.optim.AdamW defaults (for-loop on CPU)")
+    rows = [measure(name, SHAPES[name], dtype, args) for name in args.shapes for dtype in args.dtypes]
+    header = f"{'shape':<12} {'dtype':<5} {'batch':<7} {'ours tok/s':>11} {'peer tok/s':>11} " \
+             f"{'ratio':>6} {'ours MFU':>9} {'peer MFU':>9} {'peak MiB ours/peer':>19}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        row["ours_mfu"] = row["ours_tflops"] * 1e12 / peak[row["dtype"]]
+        row["peer_mfu"] = row["peer_tflops"] * 1e12 / peak[row["dtype"]]
+        print(f"{row['shape']:<12} {row['dtype']:<5} {row['batch']:<7} {row['ours_tokens_per_s']:>11,.0f} "
+              f"{row['peer_tokens_per_s']:>11,.0f} {row['ratio']:>5.2f}x {row['ours_mfu']:>8.1%} "
+              f"{row['peer_mfu']:>8.1%} {row['ours_peak_mib']:>9.0f}/{row['peer_peak_mib']:<9.0f}")
+    print("ratio = ours / peer tokens/s (higher is better); MFU against the measured matmul peak of the dtype")
+    print(json.dumps({"benchmark": "train_gpt", "threads": torch.get_num_threads(),
+                      "peak_flops": peak, "repeats": args.repeats, "steps": args.steps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
