@@ -131,9 +131,10 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     printed = ""
     start = time.perf_counter()
     with torch.inference_mode():
-        for tokens, _ in iter_generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p,
-                                       use_cache=not args.no_cache, generator=generator):
+        steps = iter_generate(model.decoder(), prompt, args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache,
+                              generator=generator)
+        for tokens, _ in steps:
             new_ids.append(int(tokens[0]))
             text = tokenizer.decode(new_ids)  # whole suffix: a BPE token may end mid-character
             sys.stdout.write(text[len(printed):])

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..attention import BACKENDS
+from ..checkpoint import load_model
 from ..config import Config
 from ..feedforward import ACTIVATIONS
 from ..generation import generate as generate_tokens
@@ -65,7 +66,7 @@ class GPTConfig(Config):
                                  dropout=0.2),
         # GPT-2 small, 124M parameters.
         "gpt2": dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768,
-                     d_ff=3072, dropout=0.1, bias=True),
+                     d_ff=3072, dropout=0.1, bias=True, activation="gelu_tanh"),
         # The best model found for ~5 minutes on 2 CPU cores: see README, "Choosing the default".
         "default": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=688, dropout=0.0,
                         pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
@@ -232,17 +233,7 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "GPT":
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
-        from ..checkpoint import load_checkpoint
-        from ..tokenizers import load_tokenizer
-
-        checkpoint = load_checkpoint(directory)
-        if checkpoint.family != cls.family:
-            raise ValueError(f"checkpoint {directory} holds a {checkpoint.family!r} model, not a GPT")
-        model = cls(GPTConfig.from_dict(checkpoint.model_config))
-        model.load_state_dict(checkpoint.state_dict)
-        model.to(map_location)
-        model.tokenizer = load_tokenizer(checkpoint.path)
-        return model.eval()
+        return load_model(directory, cls, GPTConfig, map_location=map_location)
 
 
 class GPTDecoder:
