@@ -15,7 +15,6 @@ are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at eve
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import torch
@@ -26,7 +25,7 @@ from .attention import MultiHeadAttention
 from .feedforward import FeedForward
 from .kv_cache import KVCache
 from .normalization import make_norm
-from .positional import SinusoidalPositionalEncoding
+from .layers import TokenStack
 
 
 @dataclasses.dataclass
@@ -121,7 +120,7 @@ class DecoderLayer(nn.Module):
         return cache
 
 
-class Decoder(nn.Module):
+class Decoder(TokenStack):
     """Token embedding · √d_model + sinusoidal PE, dropout, N decoder layers (+ final LN if pre-LN).
 
     tgt (B, n) token ids and memory (B, m, d_model) -> (B, n, d_model); the output projection to
@@ -132,29 +131,13 @@ class Decoder(nn.Module):
                  max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm_eps: float = 1e-5, backend: str = "auto"):
-        super().__init__()
-        _checks.check_positive_int("vocab_size", vocab_size)
-        _checks.check_positive_int("n_layers", n_layers)
-        if pad_id is not None and not 0 <= pad_id < vocab_size:
-            raise ValueError(f"pad_id must be in [0, vocab_size={vocab_size}), got {pad_id}")
-        self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
-        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
-        self.positional = SinusoidalPositionalEncoding(d_model, max_len)
-        self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                         norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
-            for _ in range(n_layers))
-        self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
+        def make_layer() -> DecoderLayer:
+            return DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
+                                backend=backend)
 
-    @property
-    def max_len(self) -> int:
-        return self.positional.max_len
-
-    def embed(self, tgt: Tensor, offset: int = 0) -> Tensor:
-        """(B, n) ids at positions offset .. offset+n-1 -> (B, n, d_model): E[tgt] · √d_model + PE."""
-        x = self.embedding(tgt) * math.sqrt(self.d_model)
-        return self.dropout(self.positional(x, offset))
+        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
+                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
 
     def forward(self, tgt: Tensor, memory: Tensor, *, tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None,

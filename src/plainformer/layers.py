@@ -11,7 +11,7 @@ A GPT block is the pre-LN encoder layer with a causal mask, so the decoder-only 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
@@ -63,16 +63,14 @@ class EncoderLayer(nn.Module):
         return self.norm2(x + self.dropout2(self.ff(x)))
 
 
-class Encoder(nn.Module):
-    """Token embedding · √d_model + sinusoidal PE, dropout, N encoder layers (+ final LN if pre-LN).
+class TokenStack(nn.Module):
+    """What the encoder and decoder stacks share: token embedding · √d_model + sinusoidal PE and
+    dropout in front of N layers made by `make_layer`, then a final LayerNorm when they are pre-LN.
+    The embedding of `pad_id` is kept at zero."""
 
-    src: (B, n) token ids -> (B, n, d_model). Tokens equal to `pad_id` are never attended to.
-    """
-
-    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
-                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, max_len: int,
+                 make_layer: Callable[[], nn.Module], *, pad_id: int | None, dropout: float,
+                 norm_first: bool, norm_eps: float):
         super().__init__()
         _checks.check_positive_int("vocab_size", vocab_size)
         _checks.check_positive_int("d_model", d_model)
@@ -84,25 +82,45 @@ class Encoder(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                         norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
-            for _ in range(n_layers))
+        self.layers = nn.ModuleList(make_layer() for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
+
+    @property
+    def max_len(self) -> int:
+        return self.positional.max_len
+
+    def embed(self, ids: Tensor, offset: int = 0) -> Tensor:
+        """(B, n) ids at positions offset .. offset+n-1 -> (B, n, d_model): E[ids] · √d_model + PE, dropout."""
+        x = self.embedding(ids) * math.sqrt(self.d_model)
+        return self.dropout(self.positional(x, offset))
+
+
+class Encoder(TokenStack):
+    """Token embedding · √d_model + sinusoidal PE, dropout, N encoder layers (+ final LN if pre-LN).
+
+    src: (B, n) token ids -> (B, n, d_model). Tokens equal to `pad_id` are never attended to.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
+        def make_layer() -> EncoderLayer:
+            return EncoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
+                                backend=backend)
+
+        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
+                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
 
     def padding_mask(self, src: Tensor) -> Tensor | None:
         """(B, n) boolean, True = real token; None without a pad_id."""
         return None if self.pad_id is None else src != self.pad_id
 
-    def embed(self, src: Tensor) -> Tensor:
-        """(B, n) ids -> (B, n, d_model): E[src] · √d_model + PE, then dropout."""
-        x = self.embedding(src) * math.sqrt(self.d_model)
-        return self.dropout(self.positional(x))
-
     def forward(self, src: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         """src (B, n) -> memory (B, n, d_model). key_padding_mask defaults to `src != pad_id`."""
         _checks.check_token_ids("src", src, self.vocab_size)
-        _checks.check_max_len("src", src.shape[1], self.positional.max_len)
+        _checks.check_max_len("src", src.shape[1], self.max_len)
         if key_padding_mask is None:
             key_padding_mask = self.padding_mask(src)
         x = self.embed(src)
