@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -171,13 +170,7 @@ def test_weight_rows_sum_to_one_or_zero_when_fully_masked(n, m, density, seed, i
     assert (weights >= 0).all() and (weights[~allowed] == 0).all()
 
 
-def _flash_importable() -> bool:
-    return importlib.util.find_spec("plainformer.flash") is not None
-
-
-ALL_BACKENDS = ["math", "sdpa",
-                pytest.param("flash", marks=pytest.mark.skipif(not _flash_importable(),
-                                                               reason="plainformer.flash does not exist yet"))]
+ALL_BACKENDS = ["math", "sdpa", "flash"]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -3,7 +3,6 @@ checks, presets and the bad-input table."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,10 +20,7 @@ from _torch_reference import assert_close
 
 TINY = dict(vocab_size=61, max_len=20, type_vocab_size=2, n_layers=2, n_heads=4, d_model=32, d_ff=48,
             pad_id=0)
-# Our FlashAttention joins the parametrisation as soon as plainformer.flash can be imported.
-FLASH = pytest.param("flash", marks=pytest.mark.skipif(importlib.util.find_spec("plainformer.flash") is None,
-                                                       reason="plainformer.flash is not available"))
-BACKENDS = ["math", "sdpa", FLASH]
+BACKENDS = ["math", "sdpa", "flash"]
 
 
 def _config(**overrides) -> BertConfig:

@@ -4,7 +4,6 @@ BERT directory (safetensors or pytorch_model.bin), and weights written back for 
 from __future__ import annotations
 
 import json
-import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,10 +24,7 @@ SENTENCES = [
     "Ünïcödé café naïve résumé — Œuvre d’art, 3.14 % & co.",
     "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
 ]
-# Our FlashAttention joins the parametrisation as soon as plainformer.flash can be imported.
-FLASH = pytest.param("flash", marks=pytest.mark.skipif(importlib.util.find_spec("plainformer.flash") is None,
-                                                       reason="plainformer.flash is not available"))
-BACKENDS = ["math", "sdpa", FLASH]
+BACKENDS = ["math", "sdpa", "flash"]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ batching and ordering, truncation, bf16, and loading a plainformer checkpoint.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,9 +26,6 @@ SENTENCES = [
     "",
     "Brevity is the soul of wit.",
 ]
-# Our FlashAttention joins the parametrisation as soon as plainformer.flash can be imported.
-FLASH = pytest.param("flash", marks=pytest.mark.skipif(importlib.util.find_spec("plainformer.flash") is None,
-                                                       reason="plainformer.flash is not available"))
 LONG = " ".join(["the lunatic, the lover and the poet are of imagination all compact"] * 40)
 
 
@@ -45,7 +41,7 @@ def encoder():
     return SentenceEncoder.from_pretrained("minilm")
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa", FLASH])
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
 def test_embeddings_equal_sentence_transformers(reference, backend):
     ours = SentenceEncoder.from_pretrained("minilm", backend=backend).encode(SENTENCES + [LONG], batch_size=4)
     theirs = reference.encode(SENTENCES + [LONG], batch_size=4, convert_to_tensor=True)

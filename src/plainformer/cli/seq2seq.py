@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import UserError, add_config_arguments, config_overrides, log
+from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
 from ..checkpoint import load_checkpoint
 from ..models.transformer import Transformer, TransformerConfig
 from ..tasks import TASKS, Seq2SeqBatches, make_task, train_tokenizer
@@ -175,10 +175,8 @@ def score_translations(model: Transformer, sources: Sequence[str], references: S
 def _run_dir_and_checkpoint(path: Path) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) from a run directory (its best/, else last/) or a
     checkpoint directory inside one."""
-    for candidate in (path / "best", path / "last"):
-        if candidate.is_dir():
-            return path, candidate
-    return path.parent, path
+    checkpoint = checkpoint_dir(path)
+    return (path if checkpoint != path else path.parent), checkpoint
 
 
 def _register_eval(commands: argparse._SubParsersAction) -> None:
