@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import extra_peak_bytes  # noqa: E402
 
-from plainformer.data import load_text  # noqa: E402
-from plainformer.interop import minilm_path  # noqa: E402
-from plainformer.sentence import SentenceEncoder  # noqa: E402
+from plainformer.data.corpus import load_text
+from plainformer.io.hf_bert import minilm_path
+from plainformer.models.sentence import SentenceEncoder
 
 WARMUP_SENTENCES = 64
 

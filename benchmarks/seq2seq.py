@@ -40,8 +40,9 @@ from torch import Tensor, nn
 
 from plainformer.cli import seq2seq as seq2seq_cli
 from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
-from plainformer.tasks import Seq2SeqBatches, make_task, train_tokenizer
-from plainformer.training import TrainConfig, make_optimizer
+from plainformer.data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import make_optimizer
 
 TASK = seq2seq_cli.DEFAULT_TASK
 

@@ -42,7 +42,8 @@ from _hf_gpt2 import gpt2_pair  # noqa: E402
 from attention import extra_peak_bytes  # noqa: E402
 
 import plainformer as pf  # noqa: E402
-from plainformer.training import TrainConfig, make_optimizer  # noqa: E402
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import make_optimizer
 
 SHAPES = {
     "nanogpt-cpu": dict(n_layers=4, n_heads=4, d_model=128, d_ff=512, vocab_size=65, block_size=64, batch=12),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.normalization import make_norm
+from plainformer.nn.normalization import make_norm
 
 
 def _x(*shape: int, **kwargs) -> torch.Tensor:

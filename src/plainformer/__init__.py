@@ -5,28 +5,56 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_product_attention
-from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config
-from .data import (LMBatchSource, LMData, TextSplit, Work, build_tokenizer, load_split, load_text,
-                   prepare_lm_data, split_text, token_array)
-from .decoder import Decoder, DecoderCache, DecoderLayer
-from .feedforward import FeedForward
-from .flash import flash_attention
-from .generation import beam_search, generate, iter_generate, sample_next
-from .interop import load_hf_bert, save_hf_bert
-from .kv_cache import KVCache
-from .layers import Encoder, EncoderLayer
-from .models import (GPT, BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,
-                     GPTConfig, Transformer, TransformerConfig)
-from .normalization import RMSNorm
-from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from .rope import RotaryEmbedding
-from .sentence import SentenceEncoder
-from .tasks import Seq2SeqBatches, make_task, train_tokenizer
-from .tokenizers import BPETokenizer, CharTokenizer, Tokenizer, WordPieceTokenizer, load_tokenizer
-from .training import TrainConfig, Trainer, TrainingInterrupted, lr_at, make_optimizer
-from .visualization import plot_loss_curve
+from .data.corpus import TextSplit, Work, load_split, load_text, split_text
+from .data.lm import (
+    LMBatchSource,
+    LMData,
+    build_tokenizer,
+    prepare_lm_data,
+    token_array,
+)
+from .data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
+from .data.tokenizers import (
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    WordPieceTokenizer,
+    load_tokenizer,
+)
+from .generation.beam_search import beam_search
+from .generation.decoding import generate, iter_generate
+from .generation.sampling import sample_next
+from .io.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from .io.hf_bert import load_hf_bert, save_hf_bert
+from .models import (
+    GPT,
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    BertModel,
+    GPTConfig,
+    Transformer,
+    TransformerConfig,
+)
+from .models.sentence import SentenceEncoder
+from .nn.attention import (
+    MultiHeadAttention,
+    attention,
+    causal_mask,
+    scaled_dot_product_attention,
+)
+from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
+from .nn.feedforward import FeedForward
+from .nn.flash import flash_attention
+from .nn.kv_cache import KVCache
+from .nn.normalization import RMSNorm
+from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .nn.rope import RotaryEmbedding
+from .training.config import TrainConfig
+from .training.optim import lr_at, make_optimizer
+from .training.plots import plot_loss_curve
+from .training.trainer import Trainer, TrainingInterrupted
 
 try:
     __version__ = version("plainformer")

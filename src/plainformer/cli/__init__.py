@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .. import __version__
 from ..config import Config
-from ..training import TrainingInterrupted
+from ..training.trainer import TrainingInterrupted
 
 Command = Callable[[argparse.Namespace], dict[str, Any]]
 

@@ -12,16 +12,28 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..data.classification import (
+    DEFAULT_PLAYS,
+    ClassificationBatchSource,
+    play_lines_task,
+)
+from ..data.corpus import SPLITS, TextSplit, load_split
+from ..data.lm import build_tokenizer, default_cache_dir
+from ..data.mlm import MLMBatchSource, encode_stream
+from ..data.tokenizers import WordPieceTokenizer
+from ..io.atomic import atomic_path
+from ..io.checkpoint import load_checkpoint
+from ..io.hf_bert import MINILM_NAME, resolve_bert_path
+from ..models.bert import (
+    IGNORE_INDEX,
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+)
+from ..models.sentence import SentenceEncoder, load_bert
+from ..training.config import TrainConfig
+from ..training.trainer import Trainer
 from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
-from .. import data
-from ..checkpoint import load_checkpoint
-from ..interop import MINILM_NAME, resolve_bert_path
-from ..masking import (DEFAULT_PLAYS, ClassificationBatchSource, MLMBatchSource, encode_stream,
-                       play_lines_task)
-from ..models.bert import IGNORE_INDEX, BertConfig, BertForMaskedLM, BertForSequenceClassification
-from ..sentence import SentenceEncoder, load_bert
-from ..tokenizers import WordPieceTokenizer, atomic_path
-from ..training import Trainer, TrainConfig
 
 # Recipes that fit a few minutes on 2 CPU cores (TrainConfig fields; options given override them).
 PRETRAIN_DEFAULTS = dict(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
@@ -104,8 +116,8 @@ def _register_pretrain(tasks: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_pretrain)
 
 
-def _pretrain_setup(args: argparse.Namespace) -> tuple[BertConfig, WordPieceTokenizer, data.TextSplit]:
-    split = data.load_split(args.data)
+def _pretrain_setup(args: argparse.Namespace) -> tuple[BertConfig, WordPieceTokenizer, TextSplit]:
+    split = load_split(args.data)
     overrides = config_overrides(args, BertConfig)
     if args.resume:
         checkpoint = load_checkpoint(args.out / "last")
@@ -116,7 +128,7 @@ def _pretrain_setup(args: argparse.Namespace) -> tuple[BertConfig, WordPieceToke
                             "from the options given; drop those options")
         return config, checkpoint.load_tokenizer(), split
     config = BertConfig.from_preset(args.preset, **overrides)  # validated before the slow steps
-    tokenizer = data.build_tokenizer(split, "wordpiece", vocab_size=args.vocab_size)
+    tokenizer = build_tokenizer(split, "wordpiece", vocab_size=args.vocab_size)
     return config.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id), tokenizer, split
 
 
@@ -126,7 +138,7 @@ def run_pretrain(args: argparse.Namespace) -> dict[str, Any]:
     if not 3 <= args.seq_len <= config.max_len:
         raise UserError(f"--seq-len must be in [3, max_len={config.max_len}], got {args.seq_len}")
     log("encoding the corpus ...")
-    streams = [encode_stream(split, which, tokenizer) for which in data.SPLITS]
+    streams = [encode_stream(split, which, tokenizer) for which in SPLITS]
     source = MLMBatchSource(*streams, tokenizer, args.seq_len, seed=train_config.seed)
     log(f"data: {len(streams[0]):,} train / {len(streams[1]):,} validation wordpieces, "
         f"vocabulary {tokenizer.vocab_size}")
@@ -294,7 +306,7 @@ def corpus_embeddings(encoder: SentenceEncoder, model_dir: Path, lines: Sequence
     they came from the cache."""
     key = hashlib.sha256("\0".join([hashlib.sha256(raw).hexdigest(), _model_fingerprint(model_dir),
                                     str(encoder.max_len), args.dtype]).encode()).hexdigest()[:32]
-    cache = (args.cache_dir or data.default_cache_dir() / "embeddings") / f"{key}.npy"
+    cache = (args.cache_dir or default_cache_dir() / "embeddings") / f"{key}.npy"
     if cache.is_file():
         matrix = np.load(cache, allow_pickle=False)
         if matrix.shape == (len(lines), encoder.dim):

@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
-from ..checkpoint import load_checkpoint
-from ..data import LMBatchSource, prepare_lm_data
-from ..generation import iter_generate
+from ..data.lm import LMBatchSource, prepare_lm_data
+from ..generation.decoding import iter_generate
+from ..io.checkpoint import load_checkpoint
 from ..models.gpt import GPT, GPTConfig
-from ..training import Trainer, TrainConfig
+from ..training.config import TrainConfig
+from ..training.trainer import Trainer
+from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
 
 TOKENIZERS = ("char", "bpe")
 

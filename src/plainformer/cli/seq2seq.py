@@ -1,5 +1,5 @@
 """`plainformer seq2seq train | eval` and `plainformer translate`: the encoder-decoder Transformer on
-the built-in tasks (`plainformer.tasks`).
+the built-in tasks (`plainformer.data.seq2seq`).
 
 A run directory holds the trainer's last/ and best/ checkpoints and `task.json`, naming the task whose
 test split `seq2seq eval` scores (BLEU with sacrebleu, and exact match of whole sentences).
@@ -17,11 +17,12 @@ from typing import Any, Sequence
 
 import torch
 
-from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
-from ..checkpoint import load_checkpoint
+from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
+from ..io.checkpoint import load_checkpoint
 from ..models.transformer import Transformer, TransformerConfig
-from ..tasks import TASKS, Seq2SeqBatches, make_task, train_tokenizer
-from ..training import Trainer, TrainConfig
+from ..training.config import TrainConfig
+from ..training.trainer import Trainer
+from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
 
 DEFAULT_TASK = "numbers-en-fr"
 TASK_FILE = "task.json"

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..attention import BACKENDS
 from ..config import Config
-from ..feedforward import ACTIVATIONS
-from ..layers import EncoderLayer
-from ..positional import LearnedPositionalEmbedding
+from ..nn.attention import BACKENDS
+from ..nn.blocks import EncoderLayer
+from ..nn.feedforward import ACTIVATIONS
+from ..nn.positional import LearnedPositionalEmbedding
 
 IGNORE_INDEX = -100
 

@@ -24,16 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..attention import BACKENDS
-from ..checkpoint import load_model
 from ..config import Config
-from ..feedforward import ACTIVATIONS
-from ..generation import generate as generate_tokens
-from ..kv_cache import KVCache
-from ..layers import EncoderLayer
-from ..normalization import NORMS, make_norm
-from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from ..rope import RotaryEmbedding
+from ..generation.decoding import generate as generate_tokens
+from ..io.checkpoint import load_model
+from ..nn.attention import BACKENDS
+from ..nn.blocks import EncoderLayer
+from ..nn.feedforward import ACTIVATIONS
+from ..nn.kv_cache import KVCache
+from ..nn.normalization import NORMS, make_norm
+from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from ..nn.rope import RotaryEmbedding
 
 POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
 

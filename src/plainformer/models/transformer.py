@@ -28,13 +28,13 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
-from ..attention import BACKENDS
-from ..checkpoint import load_model
 from ..config import Config
-from ..decoder import Decoder, DecoderCache
-from ..feedforward import ACTIVATIONS
-from ..generation import beam_search, generate as generate_tokens
-from ..layers import Encoder
+from ..generation.beam_search import beam_search
+from ..generation.decoding import generate as generate_tokens
+from ..io.checkpoint import load_model
+from ..nn.attention import BACKENDS
+from ..nn.blocks import Decoder, DecoderCache, Encoder
+from ..nn.feedforward import ACTIVATIONS
 
 EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
 

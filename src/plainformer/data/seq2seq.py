@@ -1,0 +1,226 @@
+"""Built-in sequence-to-sequence tasks, generated offline and reproducibly from a seed.
+
+- `copy`: a random string of 1-10 symbols from a-j; the target repeats it (the Annotated Transformer's
+  first check that a model trains).
+- `reverse`: the same strings; the target is the string reversed.
+- `numbers-en-fr`: a number from 0 to 999,999 written out in English words, to be translated into
+  French words (`num2words`): "seventy-one thousand and eighty" -> "soixante et onze mille
+  quatre-vingts". The number of digits is drawn uniformly, then the number, so small and large
+  numbers both occur; French's vigesimal tens (soixante-dix, quatre-vingts) and its agreement rules
+  (quatre-vingts but quatre-vingt mille) make it more than word-by-word substitution.
+
+A source sentence belongs to one split for good: the split is a function of the sentence (a seeded
+hash), so train, val and test never share a source whatever their sizes. Source and target share one
+byte-level BPE tokenizer trained on the training pairs (`train_tokenizer`), and `Seq2SeqBatches`
+turns the pairs into length-grouped padded batches for the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from .. import _checks
+from .tokenizers import BPETokenizer
+
+SPLITS = ("train", "val", "test")
+SPECIAL_TOKENS = ("pad", "bos", "eos")
+_SPLIT_CODES = {split: code for code, split in enumerate(SPLITS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqTask:
+    """(source, target) sentence pairs of each split."""
+
+    name: str
+    seed: int
+    pairs: Mapping[str, Sequence[tuple[str, str]]]
+    tokenizer_vocab_size: int
+
+    def sources(self, split: str) -> list[str]:
+        return [source for source, _ in self.pairs[_check_split(split)]]
+
+    def targets(self, split: str) -> list[str]:
+        return [target for _, target in self.pairs[_check_split(split)]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TaskSpec:
+    """A task draws keys (a string of symbols, a number) and writes each as a source and a target."""
+
+    draw: Callable[[np.random.Generator], object]
+    source: Callable[[object], str]
+    target: Callable[[object], str]
+    sizes: Mapping[str, int]  # pairs per split
+    tokenizer_vocab_size: int  # 256 bytes + 3 special tokens + merges
+
+
+# ----------------------------------------------------------------------------- the tasks
+
+SYMBOLS = "abcdefghij"
+
+
+def _symbols(rng: np.random.Generator, max_length: int = 10) -> str:
+    return "".join(rng.choice(list(SYMBOLS), size=int(rng.integers(1, max_length + 1))))
+
+
+def _number(rng: np.random.Generator, max_digits: int = 6) -> int:
+    """Digits uniform in 1..max_digits, then the number uniform among those with that many."""
+    digits = int(rng.integers(1, max_digits + 1))
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return int(rng.integers(low, 10 ** digits))
+
+
+def _words(language: str) -> Callable[[object], str]:
+    def write(number: object) -> str:
+        from num2words import num2words
+
+        return num2words(number, lang=language)
+
+    return write
+
+
+def _same(key: object) -> str:
+    return str(key)
+
+
+def _reversed(key: object) -> str:
+    return str(key)[::-1]
+
+
+_SYMBOL_SIZES = {"train": 20000, "val": 500, "test": 500}
+TASKS: dict[str, _TaskSpec] = {
+    # No merges (vocabulary = bytes + specials): one token per symbol.
+    "copy": _TaskSpec(_symbols, _same, _same, _SYMBOL_SIZES, 259),
+    "reverse": _TaskSpec(_symbols, _same, _reversed, _SYMBOL_SIZES, 259),
+    "numbers-en-fr": _TaskSpec(_number, _words("en"), _words("fr"),
+                               {"train": 40000, "val": 500, "test": 1000}, 512),
+}
+
+
+def _check_split(split: str) -> str:
+    return _checks.check_choice("split", split, SPLITS)
+
+
+def split_of(key: object, seed: int) -> str:
+    """The split of the sentence written from `key`: 2% test, 2% val, the rest train (a seeded
+    hash; keys and sources correspond one to one, so no source is in two splits)."""
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    bucket = int.from_bytes(digest, "little") % 100
+    return "test" if bucket < 2 else "val" if bucket < 4 else "train"
+
+
+def make_task(name: str, *, seed: int = 0, sizes: Mapping[str, int] | None = None) -> Seq2SeqTask:
+    """The pairs of task `name`, the same for the same seed: distinct keys are drawn until each split
+    has its size. sizes overrides the number of pairs of some splits, e.g. {"train": 1000}.
+    """
+    _checks.check_choice("task", name, TASKS)
+    spec = TASKS[name]
+    sizes = {**spec.sizes, **(sizes or {})}
+    for split, size in sizes.items():
+        _check_split(split)
+        _checks.check_positive_int(f"sizes[{split!r}]", size)
+    keys = _draw_keys(spec.draw, sizes, seed)
+    pairs = {split: [(spec.source(key), spec.target(key)) for key in keys[split]] for split in SPLITS}
+    return Seq2SeqTask(name, seed, pairs, spec.tokenizer_vocab_size)
+
+
+def _draw_keys(draw: Callable[[np.random.Generator], object], sizes: Mapping[str, int],
+               seed: int) -> dict[str, list[object]]:
+    """Distinct keys per split in the order drawn. A split smaller than asked means its keys ran
+    out: drawing stops after 100 draws per wanted key."""
+    rng = np.random.default_rng(seed)
+    drawn: dict[str, dict[object, None]] = {split: {} for split in SPLITS}  # ordered sets
+    budget = 100 * sum(sizes.values())
+    while budget and any(len(drawn[s]) < sizes[s] for s in SPLITS):
+        budget -= 1
+        key = draw(rng)
+        split = split_of(key, seed)
+        if len(drawn[split]) < sizes[split]:
+            drawn[split][key] = None
+    return {split: list(found) for split, found in drawn.items()}
+
+
+def train_tokenizer(task: Seq2SeqTask) -> BPETokenizer:
+    """One byte-level BPE for source and target, learnt on the training pairs; <pad> <bos> <eos>
+    take ids 0, 1, 2."""
+    texts = (text for pair in task.pairs["train"] for text in pair)
+    return BPETokenizer.train(texts, task.tokenizer_vocab_size, special_tokens=SPECIAL_TOKENS)
+
+
+# ----------------------------------------------------------------------------- batches
+
+class Seq2SeqBatches:
+    """Padded batches of token ids: {"src" (B, m), "tgt_in" (B, n), "tgt_out" (B, n)}.
+
+    tgt_in = BOS y_1 .. y_k and tgt_out = y_1 .. y_k EOS; pad_id fills the rest. `get_batch` groups
+    sentences of similar length (as the paper's batches): each epoch, a seeded permutation of the
+    split is cut into pools of `pool_batches` batches, each pool is sorted by length and cut into
+    batches, and the batches are shuffled. Batch `index` is batch index mod E of epoch index // E
+    (E batches per epoch), so it depends only on (seed, split, index, batch_size).
+    """
+
+    def __init__(self, task: Seq2SeqTask, tokenizer, *, seed: int = 0, pool_batches: int = 32):
+        for role in SPECIAL_TOKENS:
+            if getattr(tokenizer, f"{role}_id") is None:
+                raise ValueError(f"the tokenizer must have a <{role}> token for sequence-to-sequence "
+                                 f"batches; it has {sorted(tokenizer.special_tokens)}")
+        _checks.check_positive_int("pool_batches", pool_batches)
+        self.task, self.tokenizer, self.seed, self.pool_batches = task, tokenizer, seed, pool_batches
+        self.pad_id, self.bos_id, self.eos_id = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+        self._examples = {split: [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in task.pairs[split]]
+                          for split in SPLITS}
+        self._epoch_cache: tuple[tuple[str, int, int], list[np.ndarray]] | None = None
+
+    def num_examples(self, split: str) -> int:
+        return len(self._examples[_check_split(split)])
+
+    def max_lengths(self) -> tuple[int, int]:
+        """Longest src and tgt_in over all splits (positions a model must hold)."""
+        pairs = [pair for split in SPLITS for pair in self._examples[split]]
+        return max(len(s) for s, _ in pairs), 1 + max(len(t) for _, t in pairs)
+
+    def _epoch(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
+        key = (split, epoch, batch_size)
+        if self._epoch_cache is None or self._epoch_cache[0] != key:
+            examples = self._examples[split]
+            rng = np.random.default_rng((self.seed, _SPLIT_CODES[split], epoch))
+            order = rng.permutation(len(examples))
+            lengths = np.array([len(s) + len(t) for s, t in examples])
+            pool = batch_size * self.pool_batches
+            batches = []
+            for start in range(0, len(order), pool):
+                chunk = order[start:start + pool]
+                chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+                batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+            rng.shuffle(batches)
+            self._epoch_cache = (key, batches)
+        return self._epoch_cache[1]
+
+    def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
+        """Batch `index` of `split` (see the class docstring)."""
+        _check_split(split)
+        _checks.check_positive_int("batch_size", batch_size)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be an int >= 0, got {index!r}")
+        if not self._examples[split]:
+            raise ValueError(f"split {split!r} of task {self.task.name!r} is empty")
+        per_epoch = len(self._epoch(split, 0, batch_size))
+        rows = self._epoch(split, index // per_epoch, batch_size)[index % per_epoch]
+        return self.collate([self._examples[split][i] for i in rows])
+
+    def collate(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
+        """(source ids, target ids) pairs -> the padded batch."""
+        def pad(rows: list[list[int]]) -> Tensor:
+            return pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True,
+                                padding_value=self.pad_id)
+
+        return {"src": pad([s for s, _ in examples]),
+                "tgt_in": pad([[self.bos_id, *t] for _, t in examples]),
+                "tgt_out": pad([[*t, self.eos_id] for _, t in examples])}

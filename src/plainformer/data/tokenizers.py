@@ -1,0 +1,458 @@
+"""Tokenizers: text <-> integer ids, for every model family.
+
+- `CharTokenizer`: one id per character, the vocabulary being the sorted distinct characters of a text
+  (nanoGPT's shakespeare-char). A character outside it is an error, never a silent <unk>.
+- `BPETokenizer`: byte-level BPE (GPT-2; Sennrich et al. 2016) trained with Hugging Face `tokenizers`.
+  Its 256 base symbols are the bytes, so every text encodes and `decode(encode(text)) == text`.
+- `WordPieceTokenizer`: BERT's WordPiece (Schuster & Nakajima 2012) — BERT normalisation (optional lowercasing
+  with accent stripping), whitespace/punctuation pre-splitting, greedy longest-match-first subwords
+  with the "##" continuation prefix, and [CLS] A [SEP] (B [SEP]) framing. Trained with `tokenizers`, or
+  loaded from a BERT `vocab.txt` / `tokenizer.json`; gives the ids of `transformers.BertTokenizerFast`.
+
+Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, the ids of its
+special tokens (`pad_id`, `bos_id`, `eos_id`, `cls_id`, `sep_id`, `mask_id`, `unk_id`; None when it
+has no such token) and `save(directory)`, which writes `tokenizer.json` there; `load_tokenizer`
+restores any kind. A char tokenizer's `tokenizer.json` is plainformer's own {"kind": "char", ...};
+the BPE and WordPiece ones are Hugging Face files (readable by `tokenizers.Tokenizer.from_file`) next
+to a small `plainformer_tokenizer.json` naming the kind and the special tokens. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import numbers
+import os
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import tokenizers as hf
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ..io.atomic import atomic_path
+
+FORMAT_VERSION = 1
+
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+SIDE_FILE = "plainformer_tokenizer.json"
+
+
+SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask", "bos", "eos")
+
+
+TRAINING_CHUNK_CHARS = 1 << 16  # small pieces let Hugging Face trainers count words in parallel
+
+
+BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+
+
+# A cut just after a newline that sits between two non-space characters: whitespace runs cannot
+# straddle it, so no pre-tokenizer here (characters, GPT-2's byte-level regex, BERT's whitespace and
+# punctuation split) joins text across it, and encoding chunk by chunk equals encoding the whole.
+_SAFE_CUT = re.compile(r"\S\n(?=\S)")
+
+
+def text_chunks(text: str, chunk_chars: int, start: int = 0, end: int | None = None) -> Iterator[str]:
+    """text[start:end] in pieces of about `chunk_chars` characters, cut only where tokenization is local.
+
+    Concatenating the encodings of the pieces gives the encoding of the whole span, so a big text can
+    be encoded (or a tokenizer trained) without a second full copy of it in memory.
+    """
+    _checks.check_positive_int("chunk_chars", chunk_chars)
+    end = len(text) if end is None else end
+    while start < end:
+        found = _SAFE_CUT.search(text, min(start + chunk_chars, end) - 1, end)
+        cut = found.end() if found else end
+        yield text[start:cut]
+        start = cut
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a valid JSON tokenizer file ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_text(name: str, text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    return text
+
+
+def _id_list(ids: object, vocab_size: int) -> list[int]:
+    """`ids` (a sequence of ints, or a 1-D integer tensor / array) as a list, each in [0, vocab_size)."""
+    if isinstance(ids, (Tensor, np.ndarray)):
+        if ids.ndim != 1 or not str(ids.dtype).removeprefix("torch.").startswith(("int", "uint")):
+            raise TypeError(f"ids must be a 1-D integer tensor or array, got dtype {ids.dtype} "
+                            f"and shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if not isinstance(ids, Sequence) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                                                for i in ids):
+        raise TypeError(f"ids must be a sequence of ints or a 1-D integer tensor, got {type(ids).__name__}")
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"ids must be in [0, {vocab_size}) (vocab_size={vocab_size}), got {bad[0]}")
+    return ids
+
+
+class Tokenizer(abc.ABC):
+    """What every tokenizer offers; subclasses set `kind` and implement the abstract methods."""
+
+    kind: ClassVar[str]
+    special_tokens: Mapping[str, str]  # role ("pad", "cls", ...) -> token text
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        ...
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        ...
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """[encode(t) for t in texts], in parallel where the backend can."""
+        return [self.encode(t) for t in texts]
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        ...
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        ...
+
+    @abc.abstractmethod
+    def _files(self) -> dict[str, str]:
+        """File name -> content: what `save` writes and `fingerprint` hashes."""
+        ...
+
+    @classmethod
+    @abc.abstractmethod
+    def _from_saved(cls, directory: Path, state: dict[str, Any]) -> Tokenizer:
+        """Rebuild from the files `_files` wrote; `state` is the JSON file that names the kind."""
+        ...
+
+    def _special_id(self, role: str) -> int | None:
+        token = self.special_tokens.get(role)
+        return None if token is None else self.token_to_id(token)
+
+    pad_id = property(lambda self: self._special_id("pad"))
+    unk_id = property(lambda self: self._special_id("unk"))
+    cls_id = property(lambda self: self._special_id("cls"))
+    sep_id = property(lambda self: self._special_id("sep"))
+    mask_id = property(lambda self: self._special_id("mask"))
+    bos_id = property(lambda self: self._special_id("bos"))
+    eos_id = property(lambda self: self._special_id("eos"))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self._special_id(role) for role in self.special_tokens)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the saved form: equal fingerprints encode every text identically."""
+        digest = hashlib.sha256()
+        for name, content in sorted(self._files().items()):
+            digest.update(f"{name}\0{content}\0".encode())
+        return digest.hexdigest()
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write `tokenizer.json` (and the side file, if any) into `directory`, each file atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, content in self._files().items():
+            with atomic_path(directory / name) as tmp:
+                tmp.write_text(content, encoding="utf-8")
+        return directory
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class CharTokenizer(Tokenizer):
+    """Character-level: id(c) = rank of c among the sorted distinct characters of `text`."""
+
+    kind = "char"
+    special_tokens: Mapping[str, str] = {}
+
+    def __init__(self, text: str):
+        _check_text("text", text)
+        if not text:
+            raise ValueError("text must contain at least one character to build a CharTokenizer from")
+        self.chars = sorted(set(text))
+        self._index = {c: i for i, c in enumerate(self.chars)}
+        # Sorted characters are sorted code points: encoding is one binary search per character.
+        self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._index.get(token)
+
+    def encode(self, text: str) -> list[int]:
+        _check_text("text", text)
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        ids = np.searchsorted(self._codes, codes)
+        unknown = self._codes[np.minimum(ids, len(self._codes) - 1)] != codes
+        if unknown.any():
+            at = int(np.argmax(unknown))
+            raise ValueError(f"character {text[at]!r} (U+{ord(text[at]):04X}) is not in the tokenizer's "
+                             f"vocabulary of {self.vocab_size} characters (first at index {at} of the text)")
+        return ids.tolist()
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        return "".join(self.chars[i] for i in _id_list(ids, self.vocab_size))
+
+    def _files(self) -> dict[str, str]:
+        state = {"kind": self.kind, "format_version": FORMAT_VERSION, "chars": self.chars}
+        return {TOKENIZER_FILE: json.dumps(state, ensure_ascii=False, indent=1)}
+
+    @classmethod
+    def _from_saved(cls, directory: Path, state: dict[str, Any]) -> CharTokenizer:
+        chars = state.get("chars")
+        if not isinstance(chars, list) or not chars or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise ValueError(f"{directory / TOKENIZER_FILE}: 'chars' must be a non-empty list of characters")
+        return cls("".join(chars))
+
+
+class _HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers.Tokenizer` plus the roles of its special tokens."""
+
+    def __init__(self, tokenizer: Any, special_tokens: Mapping[str, str]):
+        self._tok = tokenizer
+        self.special_tokens = dict(special_tokens)
+        for role, token in self.special_tokens.items():
+            _checks.check_choice("special token role", role, SPECIAL_ROLES)
+            if tokenizer.token_to_id(token) is None:
+                raise ValueError(f"special token {token!r} ({role}) is not in the vocabulary")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(_check_text("text", text)).ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch([_check_text("texts item", t) for t in texts])]
+
+    def decode(self, ids: Sequence[int] | Tensor, *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(_id_list(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
+
+    def _files(self) -> dict[str, str]:
+        side = {"kind": self.kind, "format_version": FORMAT_VERSION, "special_tokens": self.special_tokens}
+        return {TOKENIZER_FILE: self._tok.to_str(), SIDE_FILE: json.dumps(side, indent=1)}
+
+    @classmethod
+    def _from_saved(cls, directory: Path, state: dict[str, Any]) -> _HFTokenizer:
+        special = state.get("special_tokens")
+        if not isinstance(special, dict):
+            raise ValueError(f"{directory / SIDE_FILE}: 'special_tokens' must be an object")
+        return cls(_hf_from_file(directory / TOKENIZER_FILE), special)
+
+
+def _hf_from_file(path: Path) -> Any:
+
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        tok = hf.Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path} is not a valid Hugging Face tokenizer file ({err})") from None
+    # Padding and truncation are per call (see WordPieceTokenizer.encode_batch), never file state.
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def _training_texts(text: str | Iterable[str]) -> Iterator[str]:
+    if isinstance(text, str):
+        return text_chunks(text, TRAINING_CHUNK_CHARS)
+    return (_check_text("text item", piece) for piece in text)
+
+
+class BPETokenizer(_HFTokenizer):
+    """Byte-level BPE: bytes, mapped to printable symbols, merged pairwise by frequency (GPT-2)."""
+
+    kind = "bpe"
+
+    @classmethod
+    def train(cls, text: str | Iterable[str], vocab_size: int, *,
+              special_tokens: Sequence[str] = ()) -> BPETokenizer:
+        """Learn merges on `text` (a string or an iterable of strings) until `vocab_size` tokens.
+
+        vocab_size counts the special tokens (ids 0..k-1, in the order given, written "<role>", e.g.
+        special_tokens=("pad", "bos", "eos") -> "<pad>", "<bos>", "<eos>"; that text encodes to the
+        special id), the 256 byte symbols and the merges. A text too small to yield that many merges
+        gives a smaller vocabulary.
+        """
+        _checks.check_positive_int("vocab_size", vocab_size)
+        roles = list(special_tokens)
+        for role in roles:
+            _checks.check_choice("special_tokens item", role, SPECIAL_ROLES)
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"special_tokens must not repeat a role, got {roles}")
+        alphabet = hf.pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + len(roles):
+            raise ValueError(f"vocab_size must be at least {len(alphabet) + len(roles)} (256 bytes + "
+                             f"{len(roles)} special tokens) for byte-level BPE, got {vocab_size}")
+        special = {role: f"<{role}>" for role in roles}
+        tok = hf.Tokenizer(hf.models.BPE())
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = hf.decoders.ByteLevel()
+        trainer = hf.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special.values()),
+                                         initial_alphabet=alphabet, show_progress=False)
+        tok.train_from_iterator(_training_texts(text), trainer=trainer)
+        return cls(tok, special)
+
+
+class WordPieceTokenizer(_HFTokenizer):
+    """BERT's tokenizer. `encode(text)` = [CLS] wordpieces [SEP]; pairs add B [SEP] (token type 1)."""
+
+    kind = "wordpiece"
+
+    @staticmethod
+    def _pipeline(model: Any, lowercase: bool) -> Any:
+        """BERT normalisation and pre-splitting around a WordPiece `model` (framing added later)."""
+        tok = hf.Tokenizer(model)
+        # strip_accents=None follows lowercase, as in BERT's uncased models.
+        tok.normalizer = hf.normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                       strip_accents=None, lowercase=lowercase)
+        tok.pre_tokenizer = hf.pre_tokenizers.BertPreTokenizer()
+        tok.decoder = hf.decoders.WordPiece(prefix="##")
+        return tok
+
+    @classmethod
+    def _framed(cls, tok: Any) -> WordPieceTokenizer:
+        """Register the special tokens (matched whole in text, skipped by decode) and the framing."""
+        missing = [t for t in BERT_SPECIAL_TOKENS.values() if tok.token_to_id(t) is None]
+        if missing:
+            raise ValueError(f"a BERT WordPiece vocabulary must contain {', '.join(missing)}")
+        tok.add_special_tokens(list(BERT_SPECIAL_TOKENS.values()))
+        cls_, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
+        tok.post_processor = hf.processors.TemplateProcessing(
+            single=f"{cls_}:0 $A:0 {sep}:0", pair=f"{cls_}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+            special_tokens=[(cls_, tok.token_to_id(cls_)), (sep, tok.token_to_id(sep))])
+        return cls(tok, BERT_SPECIAL_TOKENS)
+
+    @classmethod
+    def train(cls, text: str | Iterable[str], vocab_size: int, *, lowercase: bool = True) -> WordPieceTokenizer:
+        """Learn a WordPiece vocabulary of `vocab_size` on `text` (a string or an iterable of strings);
+        [PAD] [UNK] [CLS] [SEP] [MASK] take ids 0-4."""
+        _checks.check_positive_int("vocab_size", vocab_size)
+        specials = list(BERT_SPECIAL_TOKENS.values())
+        if vocab_size <= len(specials):
+            raise ValueError(f"vocab_size must exceed the {len(specials)} special tokens, got {vocab_size}")
+        tok = cls._pipeline(hf.models.WordPiece(unk_token=BERT_SPECIAL_TOKENS["unk"]), lowercase)
+        trainer = hf.trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                               show_progress=False)
+        tok.train_from_iterator(_training_texts(text), trainer=trainer)
+        return cls._framed(tok)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, lowercase: bool | None = None) -> WordPieceTokenizer:
+        """Load a Hugging Face BERT tokenizer: a directory (its tokenizer.json, else its vocab.txt),
+        or the path of a tokenizer.json or vocab.txt file.
+
+        lowercase applies to a vocab.txt only (a tokenizer.json carries its own normaliser); None reads
+        `do_lower_case` from a tokenizer_config.json beside it, else lowercases (BERT uncased).
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else path / "vocab.txt"
+        if not path.is_file():
+            raise FileNotFoundError(f"no BERT tokenizer at {path} (expected a tokenizer.json or vocab.txt)")
+        if path.suffix == ".json":
+            if lowercase is not None:
+                raise ValueError("lowercase cannot be set when loading a tokenizer.json: "
+                                 "its normaliser already decides")
+            return cls(_hf_from_file(path), BERT_SPECIAL_TOKENS)
+        if lowercase is None:
+            config = path.parent / "tokenizer_config.json"
+            lowercase = bool(_read_json(config).get("do_lower_case", True)) if config.is_file() else True
+        model = hf.models.WordPiece.from_file(str(path), unk_token=BERT_SPECIAL_TOKENS["unk"],
+                                              max_input_chars_per_word=100)
+        return cls._framed(cls._pipeline(model, lowercase))
+
+    def encode(self, text: str, pair: str | None = None) -> list[int]:
+        _check_text("text", text)
+        if pair is not None:
+            _check_text("pair", pair)
+        return self._tok.encode(text, pair).ids
+
+    def encode_batch(self, texts: Sequence[str], max_length: int | None = None,
+                     pairs: Sequence[str] | None = None) -> dict[str, Tensor]:
+        """Encode and right-pad a batch to its longest member (after truncation to max_length).
+
+        Returns input_ids (B, n) long, attention_mask (B, n) bool (True = real token, may be attended)
+        and token_type_ids (B, n) long (0 for [CLS] A [SEP], 1 for B [SEP]). Pairs are truncated
+        longest-first, as in Hugging Face.
+        """
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+            raise TypeError(f"texts must be a non-empty list of str, got {type(texts).__name__}")
+        items: list[Any] = [_check_text("texts item", t) for t in texts]
+        if pairs is not None:
+            if isinstance(pairs, str) or not isinstance(pairs, Sequence) or len(pairs) != len(texts):
+                raise ValueError(f"pairs must be a list of str as long as texts ({len(texts)})")
+            items = [(a, _check_text("pairs item", b)) for a, b in zip(items, pairs)]
+        if max_length is not None:
+            _checks.check_positive_int("max_length", max_length)
+            framing = self._tok.num_special_tokens_to_add(pairs is not None)
+            if max_length <= framing + (pairs is not None):
+                raise ValueError(f"max_length must leave room for the {framing} special tokens and at least "
+                                 f"one token per sequence, got {max_length}")
+        try:
+            if max_length is not None:
+                self._tok.enable_truncation(max_length, strategy="longest_first")
+            self._tok.enable_padding(pad_id=self.pad_id, pad_token=self.special_tokens["pad"])
+            encodings = self._tok.encode_batch(items)
+        finally:
+            self._tok.no_truncation()
+            self._tok.no_padding()
+        return {
+            "input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
+            "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.bool),
+            "token_type_ids": torch.tensor([e.type_ids for e in encodings], dtype=torch.long),
+        }
+
+_KINDS: dict[str, type[Tokenizer]] = {t.kind: t for t in (CharTokenizer, BPETokenizer, WordPieceTokenizer)}
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Restore a tokenizer written by `save(directory)`, whatever its kind."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {directory}")
+    side = directory / SIDE_FILE
+    state = _read_json(side if side.is_file() else directory / TOKENIZER_FILE)
+    kind = state.get("kind")
+    if kind not in _KINDS:
+        hint = (" (a Hugging Face BERT tokenizer loads with WordPieceTokenizer.from_pretrained)"
+                if kind is None else "")
+        raise ValueError(f"{directory} does not hold a plainformer tokenizer: kind is {kind!r}, expected "
+                         f"one of {', '.join(map(repr, _KINDS))}{hint}")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory}: tokenizer format_version {state.get('format_version')!r} is not "
+                         f"supported (expected {FORMAT_VERSION})")
+    return _KINDS[kind]._from_saved(directory, state)

@@ -1,0 +1,46 @@
+"""Drawing the next token from logits z (B, V): softmax(z / T), restricted to the k most likely
+tokens (top-k) and/or to the smallest set whose probability reaches p (top-p, nucleus sampling).
+Temperature T = 0 takes argmax z (greedy).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None:
+        _checks.check_positive_int("top_k", top_k)
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """logits (B, V) -> next token ids (B,)."""
+    _checks.check_tensor("logits", logits, ndim=2, shape_doc="(B, V)")
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        logits = _nucleus(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _nucleus(logits: Tensor, top_p: float) -> Tensor:
+    """Keep the most likely tokens whose cumulative probability first reaches top_p (at least one)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before it >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

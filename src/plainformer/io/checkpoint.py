@@ -1,0 +1,409 @@
+"""One checkpoint format for every model family: a directory of safetensors and JSON, never a pickle.
+
+    DIR/
+      config.json             {"format_version", "family", "model": {...}, "train": {...}}
+      model.safetensors       the state dict; tied weights stored once, aliases in its metadata
+      tokenizer.json (+ ...)  whatever `tokenizer.save(DIR)` writes
+      optimizer.safetensors   optimizer state tensors, keyed "state.{param_index}.{name}"
+      optimizer.json          the optimizer's param_groups (hyperparameters) and non-tensor state
+      trainer_state.json      step, data position, best val loss, ...; Python and numpy RNG states
+      rng_state.safetensors   torch RNG states as uint8 tensors ("torch_cpu", "torch_cuda_{i}")
+      manifest.json           sha256 and size of every other file, written last
+
+A checkpoint is built in a temporary sibling directory, fsynced, and renamed into place. An existing
+checkpoint is first renamed away to `.{name}.old` and deleted only once the new one is in place, so a
+crash at any moment leaves a complete checkpoint at DIR or at `.{name}.old`; `load_checkpoint(DIR)`
+falls back to the latter. Every file is checked against the manifest on load, so truncation and silent
+corruption surface as a `CheckpointError` that names the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+FORMAT_VERSION = 1
+
+CONFIG = "config.json"
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+TRAINER_STATE = "trainer_state.json"
+RNG_STATE = "rng_state.safetensors"
+MANIFEST = "manifest.json"
+_OWN_FILES = (CONFIG, MODEL, OPTIMIZER, OPTIMIZER_META, TRAINER_STATE, RNG_STATE, MANIFEST)
+
+_ALIASES_KEY = "plainformer.aliases"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete, corrupted or does not fit what it is loaded into."""
+
+
+# ----------------------------------------------------------------------------- saving
+
+def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, family: str,
+                    model_config: Mapping[str, Any], train_config: Mapping[str, Any] | None = None,
+                    tokenizer: Any = None, optimizer: torch.optim.Optimizer | None = None,
+                    trainer_state: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint of `model` (and optionally its tokenizer, optimizer and trainer state) to
+    `directory` atomically; returns the directory.
+
+    `trainer_state` is any JSON-serialisable mapping (the trainer stores step, data_position,
+    best_val_loss, ...); when it is given, the current torch, Python `random` and numpy RNG states are
+    saved with it, so that `Checkpoint.restore_rng_state()` continues the random streams exactly.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(family, str) or not family:
+        raise ValueError(f"family must be a non-empty string such as 'gpt', got {family!r}")
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        _write_contents(tmp, model=model, family=family, model_config=model_config,
+                        train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
+                        trainer_state=trainer_state)
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_contents(tmp: Path, *, model, family, model_config, train_config, tokenizer, optimizer,
+                    trainer_state) -> None:
+    if tokenizer is not None:
+        # First, so that a tokenizer writing a file of ours (config.json, ...) is caught, not overwritten.
+        tokenizer.save(tmp)
+        clashes = sorted(name for name in _OWN_FILES if (tmp / name).exists())
+        if clashes:
+            raise ValueError(f"tokenizer.save wrote {', '.join(clashes)}, which the checkpoint "
+                             "format reserves for itself")
+    _write_json(tmp / CONFIG, {"format_version": FORMAT_VERSION, "family": family,
+                               "model": dict(model_config), "train": dict(train_config or {})})
+    tensors, aliases = _dedupe_shared(model.state_dict())
+    save_file(tensors, tmp / MODEL, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
+    if optimizer is not None:
+        tensors, meta = _flatten_optimizer_state(optimizer.state_dict())
+        save_file(tensors, tmp / OPTIMIZER)
+        _write_json(tmp / OPTIMIZER_META, meta)
+    if trainer_state is not None:
+        rng_tensors, rng_json = _capture_rng_state()
+        save_file(rng_tensors, tmp / RNG_STATE)
+        _write_json(tmp / TRAINER_STATE, {**dict(trainer_state), "rng": rng_json})
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True, allow_nan=True) + "\n")
+
+
+def _dedupe_shared(state_dict: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Store each shared tensor once: safetensors refuses two names for one storage.
+
+    Names that are the same view of the same storage (tied weights) become aliases of the first name;
+    tensors that merely overlap another's storage are cloned, since they are not the same tensor.
+    """
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name_of_view: dict[tuple, str] = {}
+    storages_seen: set[int] = set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        if tensor.numel() == 0:
+            tensors[name] = tensor.cpu().contiguous()
+            continue
+        ptr = tensor.untyped_storage().data_ptr()
+        view = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if view in first_name_of_view:
+            aliases[name] = first_name_of_view[view]
+            continue
+        first_name_of_view[view] = name
+        shares_storage = ptr in storages_seen
+        storages_seen.add(ptr)
+        tensor = tensor.cpu()
+        tensors[name] = (tensor.clone(memory_format=torch.contiguous_format) if shares_storage
+                         else tensor.contiguous())
+    return tensors, aliases
+
+
+def _flatten_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """{"state": {i: {name: value}}, "param_groups": [...]} -> tensors "state.{i}.{name}" + JSON rest."""
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalar_state": scalars}
+
+
+def _capture_rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return tensors, {"python": [version, list(internal), gauss_next],
+                     "numpy": [name, keys.tolist(), pos, has_gauss, cached_gaussian]}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(tmp: Path) -> None:
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+             for p in sorted(tmp.iterdir()) if p.is_file()}
+    _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _old_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.old"
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`, keeping a complete checkpoint on disk at every instant."""
+    old = _old_path(target)
+    if target.exists():
+        # A leftover `old` next to an existing target is a finished swap's debris; the target is whole.
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- loading
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded checkpoint. `state_dict` is ready for `model.load_state_dict` (tied names share one
+    tensor); optimizer, RNG and tokenizer are read from `path` only when asked for."""
+
+    path: Path
+    family: str
+    model_config: dict[str, Any]
+    train_config: dict[str, Any]
+    state_dict: dict[str, Tensor]
+    trainer_state: dict[str, Any] | None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return (self.path / OPTIMIZER).exists()
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.path / "tokenizer.json").exists()
+
+    def restore_model(self, model: nn.Module) -> nn.Module:
+        """Load the weights into `model` (strictly: every name must match)."""
+        try:
+            model.load_state_dict(self.state_dict)
+        except RuntimeError as e:
+            raise CheckpointError(f"{self.path / MODEL} does not fit {type(model).__name__}: {e}") from None
+        return model
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Load state and hyperparameters into an optimizer built over the same parameters."""
+        if not self.has_optimizer_state:
+            raise CheckpointError(f"{self.path} holds no optimizer state ({OPTIMIZER} is missing)")
+        tensors = _read_safetensors(self.path / OPTIMIZER)
+        meta = _read_json(self.path / OPTIMIZER_META)
+        if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list):
+            raise CheckpointError(f"{self.path / OPTIMIZER_META} has no 'param_groups' list")
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+        for index, scalars in meta.get("scalar_state", {}).items():
+            state.setdefault(int(index), {}).update(scalars)
+        groups = meta["param_groups"]
+        current = optimizer.param_groups
+        if len(groups) != len(current) or any(len(g["params"]) != len(c["params"])
+                                               for g, c in zip(groups, current)):
+            raise CheckpointError(
+                f"{self.path / OPTIMIZER_META} describes param groups of sizes "
+                f"{[len(g['params']) for g in groups]} but the optimizer has "
+                f"{[len(c['params']) for c in current]}; build it over the same model")
+        # JSON turned tuples (betas) into lists; give each value the type the optimizer uses.
+        groups = [{k: tuple(v) if isinstance(c.get(k), tuple) else v for k, v in g.items()}
+                  for g, c in zip(groups, current)]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def restore_rng_state(self) -> None:
+        """Set the torch, Python `random` and numpy RNGs to where they were when this was saved."""
+        if self.trainer_state is None or "rng" not in self.trainer_state:
+            raise CheckpointError(f"{self.path} holds no RNG state ({TRAINER_STATE} is missing)")
+        tensors = _read_safetensors(self.path / RNG_STATE)
+        rng = self.trainer_state["rng"]
+        try:
+            torch.set_rng_state(tensors["torch_cpu"])
+            cuda = [tensors[f"torch_cuda_{i}"] for i in range(len(tensors) - 1)]
+            if cuda and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+            version, internal, gauss_next = rng["python"]
+            random.setstate((version, tuple(internal), gauss_next))
+            name, keys, pos, has_gauss, cached_gaussian = rng["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss,
+                                 cached_gaussian))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"RNG state in {self.path} is malformed: {e}") from None
+
+    def load_tokenizer(self):
+        """The tokenizer saved with this checkpoint (via `plainformer.data.tokenizers.load_tokenizer`)."""
+        if not self.has_tokenizer:
+            raise CheckpointError(f"{self.path} holds no tokenizer (tokenizer.json is missing)")
+        from ..data.tokenizers import load_tokenizer
+        return load_tokenizer(self.path)
+
+
+def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+    """Read a checkpoint written by `save_checkpoint`. Nothing is unpickled.
+
+    With `verify` (the default) every file's size and sha256 are checked against manifest.json first.
+    If `directory` is gone but the copy a crashed save renamed away is there, that copy is loaded.
+    Raises CheckpointError naming the file and the fault.
+    """
+    path = _locate(Path(directory))
+    manifest = _read_json(path / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path / MANIFEST} has no 'files' table")
+    for required in (CONFIG, MODEL):
+        if required not in files:
+            raise CheckpointError(f"{path / MANIFEST} does not list {required}")
+    _check_files(path, files, verify=verify)
+
+    config = _read_json(path / CONFIG)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / CONFIG} must hold a JSON object, got {type(config).__name__}")
+    missing = [key for key in ("format_version", "family", "model") if key not in config]
+    if missing:
+        raise CheckpointError(f"{path / CONFIG} lacks {', '.join(map(repr, missing))}")
+    if config["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {config['format_version']}; this plainformer "
+                              f"reads up to {FORMAT_VERSION}: upgrade plainformer")
+    trainer_state = _read_json(path / TRAINER_STATE) if TRAINER_STATE in files else None
+    return Checkpoint(path=path, family=config["family"], model_config=config["model"],
+                      train_config=config.get("train") or {}, state_dict=_read_model(path / MODEL),
+                      trainer_state=trainer_state, format_version=config["format_version"])
+
+
+def load_model(directory: str | os.PathLike, model_cls: type[nn.Module], config_cls: type,
+               *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """A trained `model_cls` (checked against its `family`) built from the saved `config_cls` and
+    weights, in eval mode, with the saved tokenizer (if any) as `.tokenizer`."""
+    checkpoint = load_checkpoint(directory)
+    if checkpoint.family != model_cls.family:
+        raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
+                              f"not a {model_cls.__name__} ({model_cls.family!r})")
+    model = model_cls(config_cls.from_dict(checkpoint.model_config))
+    checkpoint.restore_model(model)
+    model.to(map_location)
+    model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+    return model.eval()
+
+
+def _locate(directory: Path) -> Path:
+    old = _old_path(directory)
+    if not directory.exists() and old.is_dir():
+        warnings.warn(f"{directory} is missing; loading {old}, left by a save that was interrupted",
+                      stacklevel=3)
+        directory = old
+    if not directory.exists():
+        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
+    if not (directory / MANIFEST).exists():
+        raise CheckpointError(f"{directory} is not a plainformer checkpoint: {MANIFEST} is missing")
+    return directory
+
+
+def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
+        if not verify:
+            continue
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{file} is truncated or altered: {size} bytes, "
+                                  f"{MANIFEST} records {entry['size']}")
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"{file} is corrupted: its sha256 differs from the one in {MANIFEST}")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} could not be read as safetensors: {e}") from None
+
+
+def _read_model(path: Path) -> dict[str, Tensor]:
+    tensors = _read_safetensors(path)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+    try:
+        aliases = json.loads(metadata.get(_ALIASES_KEY, "{}"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} has malformed alias metadata: {e}") from None
+    for alias, name in aliases.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path} says {alias!r} is tied to {name!r}, which it does not hold")
+        tensors[alias] = tensors[name]
+    return tensors

@@ -1,0 +1,299 @@
+"""Residual sublayers with normalisation, and the encoder stack (Vaswani et al. 2017, section 3.1).
+
+Post-LN, as in the paper:   x = LayerNorm(x + Dropout(MultiHead(x, x, x)))
+                            x = LayerNorm(x + Dropout(FFN(x)))
+Pre-LN (norm_first=True):   x = x + Dropout(MultiHead(LN(x), LN(x), LN(x)))
+                            x = x + Dropout(FFN(LN(x)))
+
+A GPT block is the pre-LN encoder layer with a causal mask, so the decoder-only models reuse it.
+
+The decoder layer and stack of the encoder-decoder Transformer (Vaswani et al. 2017, section 3.1).
+
+Post-LN, as in the paper (y: target positions, z: encoder memory):
+
+    y = LayerNorm(y + Dropout(MultiHead(y, y, y)))       masked: position i attends positions <= i
+    y = LayerNorm(y + Dropout(MultiHead(y, z, z)))       cross-attention over the source
+    y = LayerNorm(y + Dropout(FFN(y)))
+
+Pre-LN (norm_first=True) computes y = y + Dropout(Sublayer(LN(y))) for each of the three, and the stack
+ends with a LayerNorm. Decoding one position at a time keeps two caches per layer: the self-attention
+keys/values of the positions decoded so far, and the cross-attention keys/values of the memory, which
+are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+from .attention import MultiHeadAttention
+from .feedforward import FeedForward
+from .kv_cache import KVCache
+from .normalization import make_norm
+from .positional import SinusoidalPositionalEncoding
+
+if TYPE_CHECKING:
+    from .rope import RotaryEmbedding
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
+
+    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
+                 attention_dropout: float | None = None, backend: str = "auto"):
+        super().__init__()
+        _checks.check_probability("dropout", dropout)
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
+                                            dropout=attention_dropout, backend=backend)
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        self.norm1 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
+        self.norm2 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
+                is_causal: bool = False, rope: RotaryEmbedding | None = None,
+                kv_cache: KVCache | None = None) -> Tensor:
+        """x: (B, n, d_model) -> (B, n, d_model). Masks as in `MultiHeadAttention.forward`."""
+        def attend(h: Tensor) -> Tensor:
+            return self.dropout1(self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask,
+                                                is_causal=is_causal, rope=rope, kv_cache=kv_cache))
+
+        if self.norm_first:
+            x = x + attend(self.norm1(x))
+            return x + self.dropout2(self.ff(self.norm2(x)))
+        x = self.norm1(x + attend(x))
+        return self.norm2(x + self.dropout2(self.ff(x)))
+
+
+class TokenStack(nn.Module):
+    """What the encoder and decoder stacks share: token embedding · √d_model + sinusoidal PE and
+    dropout in front of N layers made by `make_layer`, then a final LayerNorm when they are pre-LN.
+    The embedding of `pad_id` is kept at zero."""
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, max_len: int,
+                 make_layer: Callable[[], nn.Module], *, pad_id: int | None, dropout: float,
+                 norm_first: bool, norm_eps: float):
+        super().__init__()
+        _checks.check_positive_int("vocab_size", vocab_size)
+        _checks.check_positive_int("d_model", d_model)
+        _checks.check_positive_int("n_layers", n_layers)
+        _checks.check_probability("dropout", dropout)
+        if pad_id is not None:
+            _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
+        self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        self.positional = SinusoidalPositionalEncoding(d_model, max_len)
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(make_layer() for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
+
+    @property
+    def max_len(self) -> int:
+        return self.positional.max_len
+
+    def embed(self, ids: Tensor, offset: int = 0) -> Tensor:
+        """(B, n) ids at positions offset .. offset+n-1 -> (B, n, d_model): E[ids] · √d_model + PE, dropout."""
+        x = self.embedding(ids) * math.sqrt(self.d_model)
+        return self.dropout(self.positional(x, offset))
+
+
+class Encoder(TokenStack):
+    """Token embedding · √d_model + sinusoidal PE, dropout, N encoder layers (+ final LN if pre-LN).
+
+    src: (B, n) token ids -> (B, n, d_model). Tokens equal to `pad_id` are never attended to.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
+        def make_layer() -> EncoderLayer:
+            return EncoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
+                                backend=backend)
+
+        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
+                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+
+    def padding_mask(self, src: Tensor) -> Tensor | None:
+        """(B, n) boolean, True = real token; None without a pad_id."""
+        return None if self.pad_id is None else src != self.pad_id
+
+    def forward(self, src: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """src (B, n) -> memory (B, n, d_model). key_padding_mask defaults to `src != pad_id`."""
+        _checks.check_token_ids("src", src, self.vocab_size)
+        _checks.check_max_len("src", src.shape[1], self.max_len)
+        if key_padding_mask is None:
+            key_padding_mask = self.padding_mask(src)
+        x = self.embed(src)
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=key_padding_mask)
+        return self.norm(x)
+
+
+@dataclasses.dataclass
+class DecoderCache:
+    """The caches of one decoder layer: its own past positions and the projected memory.
+
+    sources (B,), when given, names the source of each row: rows with the same source hold the same
+    memory keys/values (the beams of one sentence), so a reorder that keeps every row's source
+    leaves the memory cache as it is instead of copying it.
+    """
+
+    self_attn: KVCache
+    cross_attn: KVCache
+    sources: Tensor | None = None
+
+    def reorder(self, batch_indices: Tensor) -> None:
+        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around)."""
+        self.self_attn.reorder(batch_indices)
+        if self.sources is not None and torch.equal(self.sources[batch_indices], self.sources):
+            return
+        self.cross_attn.reorder(batch_indices)
+        if self.sources is not None:
+            self.sources = self.sources[batch_indices]
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the memory, feed-forward; each wrapped in dropout,
+    a residual connection and a norm.
+
+    Submodules: `self_attn`, `cross_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`..`norm3`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
+                 attention_dropout: float | None = None, backend: str = "auto"):
+        super().__init__()
+        _checks.check_probability("dropout", dropout)
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        self.norm_first = norm_first
+        self.self_attn, self.cross_attn = (
+            MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
+                               dropout=attention_dropout, backend=backend) for _ in range(2))
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        self.norm1, self.norm2, self.norm3 = (make_norm(norm, d_model, eps=norm_eps, bias=bias)
+                                              for _ in range(3))
+        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
+
+    def _residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
+                  dropout: nn.Module) -> Tensor:
+        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)))
+        return norm(x + dropout(sublayer(x)))
+
+    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, *,
+                memory_mask: Tensor | None = None, is_causal: bool = False,
+                tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None, self_kv_cache: KVCache | None = None,
+                cross_kv_cache: KVCache | None = None) -> Tensor:
+        """x (B, n, d_model) target positions, memory (B, m, d_model) -> (B, n, d_model).
+
+        tgt_mask (n, n) / memory_mask (n, m) and the key-padding masks (B, n) / (B, m) are boolean,
+        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`.
+        is_causal: position i sees target positions <= i. self_kv_cache holds the positions decoded
+        so far; cross_kv_cache (static) the memory's keys and values, see `memory_kv_cache`.
+        """
+        def self_attend(h: Tensor) -> Tensor:
+            return self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask,
+                                  is_causal=is_causal, kv_cache=self_kv_cache)
+
+        def cross_attend(h: Tensor) -> Tensor:
+            return self.cross_attn(h, memory, memory, memory_mask,
+                                   key_padding_mask=memory_key_padding_mask, kv_cache=cross_kv_cache)
+
+        x = self._residual(x, self_attend, self.norm1, self.dropout1)
+        x = self._residual(x, cross_attend, self.norm2, self.dropout2)
+        return self._residual(x, self.ff, self.norm3, self.dropout3)
+
+    def memory_kv_cache(self, memory: Tensor, *, repeats: int = 1) -> KVCache:
+        """A static cache holding memory W^K and memory W^V, (B·repeats, h_kv, m, d_k) each.
+
+        Row b of the memory fills rows b·repeats .. b·repeats + repeats - 1 (the beams of source b).
+        """
+        attn = self.cross_attn
+        k, v = attn.project_kv(memory, memory)  # (B, h_kv, m, d_k)
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=0), v.repeat_interleave(repeats, dim=0)
+        cache = KVCache(k.shape[0], attn.n_kv_heads, k.shape[2], attn.head_dim,
+                        dtype=k.dtype, device=k.device, static=True)
+        cache.append(k, v)
+        return cache
+
+
+class Decoder(TokenStack):
+    """Token embedding · √d_model + sinusoidal PE, dropout, N decoder layers (+ final LN if pre-LN).
+
+    tgt (B, n) token ids and memory (B, m, d_model) -> (B, n, d_model); the output projection to
+    the vocabulary belongs to the model. The embedding of `pad_id` is kept at zero.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
+        def make_layer() -> DecoderLayer:
+            return DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
+                                backend=backend)
+
+        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
+                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+
+    def forward(self, tgt: Tensor, memory: Tensor, *, tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None,
+                kv_caches: list[DecoderCache] | None = None) -> Tensor:
+        """tgt (B, n), memory (B, m, d_model) -> (B, n, d_model), causal over the target.
+
+        tgt_key_padding_mask (B, n) and memory_key_padding_mask (B, m) mark real tokens (True); None
+        means no padding. With right-padded targets the causal mask already keeps every real position
+        from seeing a pad, so the target mask changes only the outputs at padded positions.
+        kv_caches (one per layer, see `new_kv_caches`): decode incrementally; tgt then holds only
+        the positions after the cached ones.
+        """
+        _checks.check_token_ids("tgt", tgt, self.vocab_size)
+        if kv_caches is not None and len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must hold one DecoderCache per layer ({len(self.layers)}), "
+                             f"got {len(kv_caches)}")
+        offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
+        _checks.check_max_len("tgt (cached positions included)", offset + tgt.shape[1], self.max_len)
+        x = self.embed(tgt, offset)
+        for i, layer in enumerate(self.layers):
+            cache = None if kv_caches is None else kv_caches[i]
+            x = layer(x, memory, is_causal=True, tgt_key_padding_mask=tgt_key_padding_mask,
+                      memory_key_padding_mask=memory_key_padding_mask,
+                      self_kv_cache=None if cache is None else cache.self_attn,
+                      cross_kv_cache=None if cache is None else cache.cross_attn)
+        return self.norm(x)
+
+    def new_kv_caches(self, memory: Tensor, max_len: int | None = None, *,
+                      repeats: int = 1) -> list[DecoderCache]:
+        """One `DecoderCache` per layer for B·repeats rows decoding up to max_len positions
+        (default: the positional table's length); the memory's keys/values are projected here, once."""
+        _checks.check_tensor("memory", memory, ndim=3, shape_doc="(B, m, d_model)")
+        _checks.check_positive_int("repeats", repeats)
+        max_len = self.max_len if max_len is None else _checks.check_positive_int("max_len", max_len)
+        parameter = self.embedding.weight
+        sources = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
+        caches = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
+                          dtype=parameter.dtype, device=parameter.device)
+            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources))
+        return caches

@@ -1,0 +1,52 @@
+"""The position-wise feed-forward sublayer (Vaswani et al. 2017, section 3.3).
+
+    FFN(x) = act(x W_1 + b_1) W_2 + b_2,   act = ReLU (paper), GELU (BERT) or its tanh
+                                            approximation "gelu_tanh" (GPT-2)
+    SwiGLU:  FFN(x) = (SiLU(x W_1) ⊙ x W_3) W_2   (Shazeer 2020)
+
+applied to each position separately: (B, n, d_model) -> (B, n, d_ff) -> (B, n, d_model).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _checks
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+
+
+class FeedForward(nn.Module):
+    """Linear `W_1` (d_model -> d_ff), activation, dropout, Linear `W_2` (d_ff -> d_model).
+
+    With activation="swiglu" a third projection `W_3` (d_model -> d_ff) gates the first.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0, *,
+                 bias: bool = True):
+        super().__init__()
+        _checks.check_positive_int("d_model", d_model)
+        _checks.check_positive_int("d_ff", d_ff)
+        _checks.check_choice("activation", activation, ACTIVATIONS)
+        _checks.check_probability("dropout", dropout)
+        self.activation = activation
+        self.W_1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.W_3 = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.W_2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (B, n, d_model) -> (B, n, d_model)."""
+        _checks.check_tensor("x", x)
+        _checks.check_last_dim("x", x, self.W_1.in_features, "d_model")
+        hidden = self.W_1(x)  # (B, n, d_ff)
+        if self.activation == "relu":
+            hidden = F.relu(hidden)
+        elif self.activation == "gelu":
+            hidden = F.gelu(hidden)
+        elif self.activation == "gelu_tanh":
+            hidden = F.gelu(hidden, approximate="tanh")
+        else:
+            hidden = F.silu(hidden) * self.W_3(x)
+        return self.W_2(self.dropout(hidden))

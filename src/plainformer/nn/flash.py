@@ -1,0 +1,368 @@
+"""FlashAttention (Dao et al. 2022; Dao 2023, FlashAttention-2): exact attention in O(n) memory.
+
+softmax(s·Q Kᵀ) V is computed one (query block Q_i, key block K_j) tile at a time, so the n × m
+score matrix is never stored. Forward, for each Q_i, from m = -inf, l = 0, O = 0, looping over j:
+
+    S  = s · Q_i K_jᵀ                      (masked entries: -inf)
+    m' = max(m, rowmax S)
+    P  = exp(S - m')
+    l  = e^{m - m'} · l + rowsum P
+    O  = diag(e^{m - m'}) · O + P V_j,   m = m'
+
+and at the end O = diag(l)⁻¹ O and the logsumexp L = m + log l. Only O and L are kept for the
+backward pass, which recomputes each tile instead of storing it:
+
+    D   = rowsum(dO ∘ O)                   (minus dL when L itself receives a gradient)
+    P   = exp(s · Q_i K_jᵀ - L)
+    dV_j += Pᵀ dO_i,   dP = dO_i V_jᵀ,   dS = P ∘ (dP - D)
+    dQ_i += s · dS K_j,   dK_j += s · dSᵀ Q_i
+
+Exponentials are taken base 2 (exp(x) = 2^(x·log₂e), log₂e folded into the scale once) because
+torch's exp2 is about twice as fast as exp on CPU.
+
+Conventions: q (B, H, n, d), k (B, H_kv, m, d), v (B, H_kv, m, d_v), H_kv dividing H (grouped-query
+attention: query head h reads key/value head h // (H / H_kv)). `key_padding_mask` (B, m) is True for
+real tokens. `is_causal` is top-left aligned, like torch's scaled_dot_product_attention: query i
+sees keys j <= i, also when n != m. A query row that sees no key at all returns zeros (its L is
+-inf) and gets zero gradients.
+
+Layout: the G = H / H_kv query heads that share a key/value head are folded into the rows, so every
+tile is one batched matmul over (B·H_kv) of (block_q·G, d) @ (d, block_k) without copying K or V per
+query head; row r of a block holds query position i0 + r // G.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+# Tile sizes, measured on this project's 2-core AVX-512 CPU (the shapes of benchmarks/attention.py:
+# B=1, H=8, d=64, fp32, forward+backward, n = 2048 and 4096, causal and not). Matmuls take ~80% of
+# the time at every size; small tiles lose to per-op overhead (about 15 torch calls per tile, each a
+# parallel region), big ones to cache misses in the element-wise passes over the score tile and,
+# when causal, to computing more of the masked diagonal. 128 to 512 were within ~5% of each other
+# on one thread (the venv's OMP_NUM_THREADS=1), 256 x 256 best at n = 4096; on two threads 256 x 256
+# was the most consistent. One score tile is then H·256·256 fp32 = 2 MiB, the size of the L2
+# caches. 1024 x 1024 was 10-40% slower.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+
+_ACCUMULATE_IN_FP32 = (torch.float16, torch.bfloat16)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
+                    key_padding_mask: Tensor | None = None, scale: float | None = None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """softmax(scale · Q Kᵀ) V tile by tile, never storing the (n, m) scores; see the module doc.
+
+    q: (B, H, n, d); k: (B, H_kv, m, d); v: (B, H_kv, m, d_v); H_kv divides H.
+    key_padding_mask: (B, m) bool, True = real token (False keys are never attended).
+    is_causal: query i attends keys j <= i (top-left aligned, as torch's is_causal).
+    scale: defaults to 1/√d. block_q, block_k: tile sizes in query/key positions (defaults
+    DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K). fp16/bf16 inputs are computed in fp32, the results cast back.
+    CUDA tensors go to the Triton kernel (plainformer.flash_triton) when triton is installed, the
+    dtype is fp16/bf16/fp32 and d, d_v <= 256; there block_q/block_k must be powers of two >= 16.
+
+    Returns out (B, H, n, d_v), and with return_lse also L = logsumexp of each score row (B, H, n)
+    (float32, or float64 for float64 inputs; -inf for rows that see no key), differentiable too.
+    """
+    scale = _check_inputs(q, k, v, is_causal, key_padding_mask, scale, block_q, block_k, return_lse)
+    triton_attention = _triton_function(q, v)
+    if triton_attention is not None:
+        out, lse = triton_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                                    scale=scale, block_q=block_q, block_k=block_k)
+    else:
+        out, lse = _FlashAttention.apply(q, k, v, key_padding_mask, is_causal, scale,
+                                         block_q or DEFAULT_BLOCK_Q, block_k or DEFAULT_BLOCK_K)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_mask: Tensor | None,
+                  scale: float | None, block_q: int | None, block_k: int | None,
+                  return_lse: bool) -> float:
+    """Validate everything at the boundary (the arguments may be anything); returns the scale."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(name, x, ndim=4, shape_doc="(B, H, seq_len, head_dim)")
+        _checks.check_floating(name, x)
+        if x.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    _checks.check_same_dtype_device(q=q, k=k, v=v)
+    batch, heads, _, dim = q.shape
+    if k.shape[0] != batch or k.shape[-1] != dim:
+        raise ValueError(f"k must have shape (B, H_kv, m, d) with B = {batch} and d = {dim} as q, "
+                         f"got k {tuple(k.shape)} and q {tuple(q.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v (B, H_kv, m, d_v) must match k (B, H_kv, m, d) in B, H_kv and m, "
+                         f"got v {tuple(v.shape)} and k {tuple(k.shape)}")
+    _checks.check_divisible("the query heads H", heads, "the key/value heads H_kv", k.shape[1])
+    for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None:
+            _checks.check_positive_int(name, size)
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, batch, k.shape[2], q.device)
+    if scale is None:
+        return 1.0 / math.sqrt(dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def _check_key_padding_mask(mask: Tensor, batch: int, m: int, device: torch.device) -> None:
+    _checks.check_tensor("key_padding_mask", mask, ndim=2, shape_doc="(B, m)")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be boolean (True = real token), got {mask.dtype}")
+    if tuple(mask.shape) != (batch, m):
+        raise ValueError(f"key_padding_mask must have shape (B, m) = {(batch, m)}, "
+                         f"got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but q is on {device}")
+
+
+def _triton_function(q: Tensor, v: Tensor) -> Callable[..., tuple[Tensor, Tensor]] | None:
+    """The Triton implementation when it applies to these tensors, else None (plain PyTorch)."""
+    if not q.is_cuda:
+        return None
+    try:
+        from . import flash_triton
+    except ImportError:  # triton is an optional extra
+        return None
+    return flash_triton.triton_flash_attention if flash_triton.supports(q, v) else None
+
+
+# ----------------------------------------------------------------------------- layout and tiling
+
+def _to_rows(x: Tensor, n_kv_heads: int) -> Tensor:
+    """(B, H, n, d) -> (B·H_kv, n·G, d): the G query heads of one key/value head become rows,
+    ordered (position, head), so a block of positions is a contiguous range of rows."""
+    batch, heads, n, dim = x.shape
+    groups = heads // n_kv_heads
+    rows = x.reshape(batch, n_kv_heads, groups, n, dim).transpose(2, 3)  # (B, H_kv, n, G, d)
+    return rows.reshape(batch * n_kv_heads, n * groups, dim)
+
+
+def _from_rows(x: Tensor, batch: int, heads: int) -> Tensor:
+    """Inverse of `_to_rows`: (B·H_kv, n·G, d) -> (B, H, n, d)."""
+    n_kv_heads = x.shape[0] // batch
+    groups = heads // n_kv_heads
+    n = x.shape[1] // groups
+    rows = x.reshape(batch, n_kv_heads, n, groups, -1).transpose(2, 3)  # (B, H_kv, G, n, d)
+    return rows.reshape(batch, heads, n, -1)
+
+
+def _blocks(x: Tensor, size: int) -> list[Tensor]:
+    """Split the rows (dim 1) into contiguous blocks of `size` rows (the last may be shorter)."""
+    return [block.contiguous() for block in x.split(size, dim=1)]
+
+
+class _Tiles:
+    """Which tiles exist and how they are masked, shared by the forward and the backward pass.
+
+    Query block i covers positions [i0, i1), key block j covers keys [j0, j1). Under the causal
+    mask, a key block with j0 >= i1 lies entirely in the future of the query block and is skipped;
+    one with j1 - 1 > i0 straddles the diagonal and is masked element-wise.
+    """
+
+    def __init__(self, n: int, m: int, groups: int, batch: int, block_q: int, block_k: int,
+                 is_causal: bool, key_padding_mask: Tensor | None, dtype: torch.dtype,
+                 device: torch.device):
+        self.groups, self.batch, self.is_causal = groups, batch, is_causal
+        self.dtype, self.device = dtype, device
+        self.queries = [(i0, min(i0 + block_q, n)) for i0 in range(0, n, block_q)]
+        self.keys = [(j0, min(j0 + block_k, m)) for j0 in range(0, m, block_k)]
+        self.padding = self.padded = None
+        if key_padding_mask is not None:
+            # Additive bias (B, m): 0 for real tokens, -inf for padding; blocks without padding
+            # skip it.
+            self.padding = self._bias(~key_padding_mask)
+            has_padding = (~key_padding_mask).any(dim=0)
+            self.padded = [bool(has_padding[j0:j1].any()) for j0, j1 in self.keys]
+        self._causal: dict[tuple[int, int, int], Tensor] = {}
+
+    def visible(self, i: int, j: int) -> bool:
+        return not self.is_causal or self.keys[j][0] < self.queries[i][1]
+
+    def mask_(self, scores: Tensor, i: int, j: int) -> Tensor:
+        """Add -inf to the masked entries of the score tile (B·H_kv, rows, cols), in place.
+
+        Masks are added as 0/-inf biases: a broadcast add is vectorised, a broadcast masked_fill
+        is not (10x slower on CPU).
+        """
+        (i0, i1), (j0, j1) = self.queries[i], self.keys[j]
+        if self.padding is not None and self.padded[j]:
+            tile = scores.view(self.batch, -1, scores.shape[1], scores.shape[2])
+            tile.add_(self.padding[:, None, None, j0:j1])
+        if self.is_causal and j1 - 1 > i0:
+            scores.add_(self._causal_bias(i0, i1, j0, j1))
+        return scores
+
+    def _causal_bias(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """(rows, cols) bias, -inf where the row's query position i < key j; cached, since it
+        depends only on i0 - j0 and the tile's size."""
+        key = (i0 - j0, i1 - i0, j1 - j0)
+        if key not in self._causal:
+            position = torch.arange(i0, i1, device=self.device).repeat_interleave(self.groups)
+            keys = torch.arange(j0, j1, device=self.device)
+            self._causal[key] = self._bias(position[:, None] < keys[None, :])
+        return self._causal[key]
+
+    def _bias(self, masked: Tensor) -> Tensor:
+        return torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            masked, float("-inf"))
+
+
+def _workspace(rows: int, cols: int, like: Tensor) -> Callable[[int, int], Tensor]:
+    """One flat buffer reused for every (r, c) tile: fresh multi-MiB allocations would page-fault
+    on every tile, which on CPU costs as much as the matmul that fills them."""
+    flat = like.new_empty(like.shape[0] * rows * cols)
+
+    def tile(r: int, c: int) -> Tensor:
+        return flat[: like.shape[0] * r * c].view(like.shape[0], r, c)
+
+    return tile
+
+
+# ----------------------------------------------------------------------------- forward and backward
+
+def _forward(q_blocks: list[Tensor], k: Tensor, v: Tensor, tiles: _Tiles) -> tuple[Tensor, Tensor]:
+    """q_blocks: (B·H_kv, rows, d) pre-scaled by s·log₂e; k, v: (B·H_kv, m, d).
+
+    Returns O (B·H_kv, n·G, d_v) and L₂ = L·log₂e (B·H_kv, n·G).
+    """
+    scores_of = _workspace(q_blocks[0].shape[1], tiles.keys[0][1], k)
+    total_rows = sum(q_i.shape[1] for q_i in q_blocks)
+    out = k.new_empty(k.shape[0], total_rows, v.shape[-1])
+    lse2 = k.new_empty(k.shape[0], total_rows)
+    r0 = 0
+    for i, q_i in enumerate(q_blocks):
+        rows = q_i.shape[1]
+        acc = q_i.new_zeros(q_i.shape[0], rows, v.shape[-1])
+        row_max = q_i.new_full((q_i.shape[0], rows), float("-inf"))
+        row_sum = q_i.new_zeros(q_i.shape[0], rows)
+        for j, (j0, j1) in enumerate(tiles.keys):
+            if not tiles.visible(i, j):
+                break
+            scores = torch.bmm(q_i, k[:, j0:j1].transpose(1, 2), out=scores_of(rows, j1 - j0))
+            tiles.mask_(scores, i, j)
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            # A row with no visible key yet keeps max -inf; shifting it by 0 gives exp2(-inf) = 0.
+            shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+            probs = scores.sub_(shift.unsqueeze(-1)).exp2_()  # P, in place of S
+            correction = torch.exp2(row_max - shift)  # e^{m - m'}
+            row_sum.mul_(correction).add_(probs.sum(dim=-1))
+            acc.mul_(correction.unsqueeze(-1)).baddbmm_(probs, v[:, j0:j1])
+            row_max = new_max
+        out[:, r0:r0 + rows] = acc.div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
+        lse2[:, r0:r0 + rows] = row_max + torch.log2(row_sum)  # -inf for rows that see no key
+        r0 += rows
+    return out, lse2
+
+
+def _backward(q_blocks: list[Tensor], k: Tensor, v: Tensor, grad_blocks: list[Tensor],
+              lse2_blocks: list[Tensor], delta_blocks: list[Tensor],
+              tiles: _Tiles) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients Σ dS K_j, Σ dSᵀ Q'_i, Σ Pᵀ dO_i (unscaled) for q_blocks Q' = s·log₂e·Q.
+
+    lse2_blocks and delta_blocks are (B·H_kv, rows, 1); L₂ is +inf for rows that see no key, so
+    that P = 2^(S - L₂) is 0 there.
+    """
+    rows = q_blocks[0].shape[1]
+    probs_of = _workspace(rows, tiles.keys[0][1], k)
+    dprobs_of = _workspace(rows, tiles.keys[0][1], k)
+    dq_blocks = [torch.zeros_like(q_i) for q_i in q_blocks]
+    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    for j, (j0, j1) in enumerate(tiles.keys):
+        k_j, v_j = k[:, j0:j1], v[:, j0:j1]
+        dk_acc, dv_acc = torch.zeros_like(k_j), torch.zeros_like(v_j)
+        for i, q_i in enumerate(q_blocks):
+            if not tiles.visible(i, j):
+                continue
+            r, c = q_i.shape[1], j1 - j0
+            probs = torch.bmm(q_i, k_j.transpose(1, 2), out=probs_of(r, c))
+            tiles.mask_(probs, i, j)
+            probs.sub_(lse2_blocks[i]).exp2_()  # P = exp(S - L)
+            dv_acc.baddbmm_(probs.transpose(1, 2), grad_blocks[i])
+            dscores = torch.bmm(grad_blocks[i], v_j.transpose(1, 2), out=dprobs_of(r, c))  # dP
+            dscores.sub_(delta_blocks[i]).mul_(probs)  # dS = P ∘ (dP - D)
+            dq_blocks[i].baddbmm_(dscores, k_j)
+            dk_acc.baddbmm_(dscores.transpose(1, 2), q_i)
+        dk[:, j0:j1] = dk_acc
+        dv[:, j0:j1] = dv_acc
+    return torch.cat(dq_blocks, dim=1), dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Plain-PyTorch FlashAttention-2 for any device; saves only the inputs, O and L."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                is_causal: bool, scale: float, block_q: int, block_k: int) -> tuple[Tensor, Tensor]:
+        batch, heads, n, _ = q.shape
+        n_kv_heads, m = k.shape[1], k.shape[2]
+        compute = torch.float32 if q.dtype in _ACCUMULATE_IN_FP32 else q.dtype
+        tiles = _Tiles(n, m, heads // n_kv_heads, batch, block_q, block_k, is_causal,
+                       key_padding_mask, compute, q.device)
+        q_blocks = _scaled_query_blocks(q, n_kv_heads, tiles.groups * block_q, scale * LOG2E,
+                                        compute)
+        out, lse2 = _forward(q_blocks, _kv_rows(k, compute), _kv_rows(v, compute), tiles)
+        out = _from_rows(out, batch, heads).to(q.dtype)  # (B, H, n, d_v)
+        lse = _from_rows((lse2 * LN2).unsqueeze(-1), batch, heads).squeeze(-1)  # (B, H, n)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.options = (is_causal, scale, block_q, block_k)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        is_causal, scale, block_q, block_k = ctx.options
+        batch, heads, n, _ = q.shape
+        n_kv_heads, m = k.shape[1], k.shape[2]
+        compute = torch.float32 if q.dtype in _ACCUMULATE_IN_FP32 else q.dtype
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_rows = _to_rows(grad_out.to(compute), n_kv_heads)  # (B·H_kv, n·G, d_v)
+        # D = rowsum(dO ∘ O), (B·H_kv, n·G)
+        delta = (grad_rows * _to_rows(out.to(compute), n_kv_heads)).sum(dim=-1)
+        if grad_lse is not None:
+            delta -= _to_rows(grad_lse.to(compute).unsqueeze(-1), n_kv_heads).squeeze(-1)
+        lse2 = _to_rows(lse.to(compute).unsqueeze(-1), n_kv_heads).squeeze(-1) * LOG2E
+        lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+        tiles = _Tiles(n, m, heads // n_kv_heads, batch, block_q, block_k, is_causal,
+                       key_padding_mask, compute, q.device)
+        rows = tiles.groups * block_q
+        q_blocks = _scaled_query_blocks(q, n_kv_heads, rows, scale * LOG2E, compute)
+        dq, dk, dv = _backward(q_blocks, _kv_rows(k, compute), _kv_rows(v, compute),
+                               _blocks(grad_rows, rows), _blocks(lse2.unsqueeze(-1), rows),
+                               _blocks(delta.unsqueeze(-1), rows), tiles)
+        dq = _from_rows(dq.mul_(scale), batch, heads).to(q.dtype)
+        # dK = s · Σ dSᵀ Q = Σ dSᵀ Q' / log₂e, as the blocks held Q' = s·log₂e·Q.
+        dk = dk.mul_(1.0 / LOG2E).view(k.shape).to(k.dtype)
+        return dq, dk, dv.view(v.shape).to(v.dtype), None, None, None, None, None
+
+
+def _scaled_query_blocks(q: Tensor, n_kv_heads: int, rows: int, factor: float,
+                         compute: torch.dtype) -> list[Tensor]:
+    return [block.to(compute) * factor for block in _to_rows(q, n_kv_heads).split(rows, dim=1)]
+
+
+def _kv_rows(x: Tensor, compute: torch.dtype) -> Tensor:
+    """(B, H_kv, m, d) -> (B·H_kv, m, d) in the compute dtype (a view when nothing changes)."""
+    return x.to(compute).reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])

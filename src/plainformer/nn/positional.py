@@ -1,0 +1,83 @@
+"""Absolute positional encodings added to token embeddings (Vaswani et al. 2017, section 3.5).
+
+    PE(pos, 2i)   = sin(pos / 10000^(2i/d_model))
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
+
+Each (sin, cos) pair at frequency ω_i turns through the angle k·ω_i when pos advances by k, so
+PE(pos + k) = M_k · PE(pos) with M_k block-diagonal of 2×2 rotations, the same for every pos.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+
+
+def _frequencies(d_model: int) -> Tensor:
+    """ω_i = 1 / 10000^(2i/d_model), i = 0 .. d_model/2-1, in float64: (d_model/2,)."""
+    if d_model % 2:
+        raise ValueError(f"d_model must be even for sinusoidal positional encoding, got {d_model}")
+    return torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+
+
+def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The (max_len, d_model) table PE, computed in float64 and returned in `dtype`."""
+    position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+    angles = position * _frequencies(d_model)  # (max_len, d_model/2)
+    table = torch.empty(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.to(dtype)
+
+
+def relative_shift_matrix(k: int, d_model: int) -> Tensor:
+    """M_k (d_model, d_model) in float64, block-diagonal rotations with PE(pos + k) = M_k · PE(pos)."""
+    frequency = _frequencies(d_model)
+    cos, sin = torch.cos(k * frequency), torch.sin(k * frequency)
+    matrix = torch.zeros(d_model, d_model, dtype=torch.float64)
+    even = torch.arange(0, d_model, 2)
+    # sin(a + b) = sin a cos b + cos a sin b;  cos(a + b) = cos a cos b - sin a sin b
+    matrix[even, even], matrix[even, even + 1] = cos, sin
+    matrix[even + 1, even], matrix[even + 1, even + 1] = -sin, cos
+    return matrix
+
+
+def _check_sequence(x: Tensor, d_model: int, max_len: int, offset: int) -> None:
+    _checks.check_tensor("x", x, ndim=3, shape_doc="(B, n, d_model)")
+    _checks.check_last_dim("x", x, d_model, "d_model")
+    _checks.check_positions("x", offset, x.shape[1], max_len)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """x + PE[offset : offset+n] for x of shape (B, n, d_model); buffer `pe` is (max_len, d_model)."""
+
+    def __init__(self, d_model: int, max_len: int):
+        super().__init__()
+        _checks.check_positive_int("d_model", d_model)
+        _checks.check_positive_int("max_len", max_len)
+        self.d_model, self.max_len = d_model, max_len
+        self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        _check_sequence(x, self.d_model, self.max_len, offset)
+        return x + self.pe[offset:offset + x.shape[1]].to(x.dtype)
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """x + P[offset : offset+n] with P a trained (max_len, d_model) table (GPT-2, BERT)."""
+
+    def __init__(self, d_model: int, max_len: int):
+        super().__init__()
+        _checks.check_positive_int("d_model", d_model)
+        _checks.check_positive_int("max_len", max_len)
+        self.d_model, self.max_len = d_model, max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        _check_sequence(x, self.d_model, self.max_len, offset)
+        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        return x + self.embedding(positions)

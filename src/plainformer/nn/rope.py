@@ -1,0 +1,51 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer).
+
+Each pair (x_i, x_{i+d/2}) of a query or key at position p is rotated by the angle p·θ_i with
+θ_i = base^(-2i/d), i = 0 .. d/2-1 (the "rotate_half" layout):
+
+    rope(x, p) = x ⊙ cos(p θ) + rotate_half(x) ⊙ sin(p θ),   rotate_half([x₁, x₂]) = [-x₂, x₁]
+
+so that <rope(q, m), rope(k, n)> depends only on m - n, and norms are preserved.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x₁, x₂] -> [-x₂, x₁] over the last axis split in halves."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates (B, H, n, d) queries or keys for positions offset .. offset+n-1."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+        super().__init__()
+        _checks.check_positive_int("head_dim", head_dim)
+        _checks.check_positive_int("max_len", max_len)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+        if base <= 1:
+            raise ValueError(f"base must be > 1, got {base}")
+        self.head_dim, self.max_len, self.base = head_dim, max_len, base
+        theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), theta)  # (max_len, d/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (max_len, d)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x: (B, H, n, d) -> same shape, rotated for positions offset .. offset+n-1."""
+        _checks.check_min_rank("x", x, 2, "(..., n, head_dim)")
+        _checks.check_last_dim("x", x, self.head_dim, "head_dim")
+        n = x.shape[-2]
+        _checks.check_positions("x", offset, n, self.max_len)
+        cos = self.cos[offset:offset + n].to(x.dtype)  # (n, d)
+        sin = self.sin[offset:offset + n].to(x.dtype)
+        return x * cos + rotate_half(x) * sin

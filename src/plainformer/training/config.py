@@ -1,0 +1,114 @@
+"""The training recipe: `TrainConfig`, validated once when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
+from .. import _checks
+from ..config import Config
+
+SCHEDULES = ("cosine", "constant", "inverse_sqrt")
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_number(name: str, value: object, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if not positive and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+@dataclasses.dataclass
+class TrainConfig(Config):
+    """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off
+    (both still happen at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor
+    in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
+    (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
+    training early and gracefully. A micro-batch holds `batch_size` rows; an optimizer step
+    `batch_size * grad_accum_steps`."""
+
+    max_steps: int = 2000
+    batch_size: int = 12
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_steps: int | None = None
+    schedule_d_model: int | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_batches: int = 20
+    eval_batch_size: int | None = None
+    log_interval: int = 10
+    save_interval: int = 250
+    dtype: str = "float32"
+    seed: int = 1337
+    max_time: float | None = None
+    compile: bool = False
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        # nanoGPT's config/train_shakespeare_char.py as run on a CPU.
+        "nanogpt-cpu": dict(max_steps=2000, batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                            beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250,
+                            eval_batches=20),
+        # nanoGPT's config/train_shakespeare_char.py.
+        "shakespeare-char": dict(max_steps=5000, batch_size=64, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                                 beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250,
+                                 eval_batches=200),
+        # The GPT `default` preset's recipe, chosen by experiment (README, "Choosing the default").
+        "default": dict(max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100,
+                        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200,
+                        eval_batches=20, dtype="bfloat16"),
+        # Vaswani et al. 2017, section 5.3: Adam(0.9, 0.98, 1e-9), inverse-sqrt with 4000 warmup steps.
+        "transformer-paper": dict(schedule="inverse_sqrt", lr=1.0, warmup_steps=4000,
+                                  schedule_d_model=512, beta1=0.9, beta2=0.98, eps=1e-9,
+                                  weight_decay=0.0, grad_clip=0.0, max_steps=100_000),
+    }
+
+    def validate(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_interval"):
+            _checks.check_positive_int(name, getattr(self, name))
+        for name in ("warmup_steps", "eval_interval", "save_interval", "seed"):
+            _check_non_negative_int(name, getattr(self, name))
+        for name in ("decay_steps", "schedule_d_model", "eval_batch_size"):
+            if getattr(self, name) is not None:
+                _checks.check_positive_int(name, getattr(self, name))
+        _check_number("lr", self.lr, positive=True)
+        _check_number("eps", self.eps, positive=True)
+        for name in ("min_lr", "weight_decay", "grad_clip"):
+            _check_number(name, getattr(self, name), positive=False)
+        _checks.check_probability("beta1", self.beta1)
+        _checks.check_probability("beta2", self.beta2)
+        _checks.check_choice("schedule", self.schedule, SCHEDULES)
+        _checks.check_choice("dtype", self.dtype, DTYPES)
+        if self.max_time is not None:
+            _check_number("max_time", self.max_time, positive=True)
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
+                             f"({self.warmup_steps})")
+        if self.schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.schedule == "inverse_sqrt" and (self.schedule_d_model is None or self.warmup_steps == 0):
+            raise ValueError("schedule 'inverse_sqrt' needs schedule_d_model (the model's d_model) and "
+                             f"warmup_steps >= 1; got schedule_d_model={self.schedule_d_model}, "
+                             f"warmup_steps={self.warmup_steps}")

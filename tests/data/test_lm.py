@@ -1,0 +1,234 @@
+import hashlib
+import importlib.resources
+
+import numpy as np
+import pytest
+import torch
+
+from plainformer.data import lm as data
+from plainformer.data.corpus import find_works, load_split, load_text, split_text
+from plainformer.data.lm import (
+    LMBatchSource,
+    build_tokenizer,
+    prepare_lm_data,
+    token_array,
+)
+from plainformer.data.tokenizers import BPETokenizer, CharTokenizer
+
+# From shared/data/README.md, the corpus' own documentation.
+BUNDLED_SHA256 = "8be6e3cff1865c21aabad2463b27e49772e821b13eb8a3b57ca21630ed81285e"
+
+
+def make_works(n: int) -> str:
+    """n works separated by 2-4 blank lines; each holds a single blank line and an indented line."""
+    works = [f"WORK {i}\n\nLine one of {i}, said  the clown.\nLine two:\n  three,\nfour: {i}!" for i in range(n)]
+    return "".join(w + "\n" * (3 + i % 3) for i, w in enumerate(works))
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_split()
+
+
+def test_bundled_corpus_is_the_documented_text(bundled):
+    assert hashlib.sha256(bundled.text.encode("utf-8")).hexdigest() == BUNDLED_SHA256
+    assert len(bundled.text) == 4_732_575 and len(set(bundled.text)) == 84
+
+
+def test_bundled_validation_works_are_the_last_works_in_works_tsv(bundled):
+    tsv = importlib.resources.files("plainformer").joinpath("corpus", "works.tsv").read_text("utf-8")
+    titles = [line.split("\t")[0] for line in tsv.splitlines()[1:]]
+    assert len(titles) == 38
+    assert [w.title for w in bundled.train_works] == titles[:34]
+    assert [w.title for w in bundled.val_works] == titles[34:]
+    train_start, train_end = bundled.span("train")
+    val_start, val_end = bundled.span("val")
+    assert (train_start, val_end) == (0, len(bundled.text)) and train_end < val_start
+    assert bundled.text[val_start:].startswith("THE HISTORY OF TROILUS AND CRESSIDA")
+    assert bundled.text[train_end:val_start] == "\n\n\n"
+
+
+def test_user_text_is_split_by_blocks_between_two_blank_lines():
+    text = "\n\n\n" + make_works(20) + "\n \n\n"
+    split = split_text(text)
+    assert [w.title for w in split.train_works] == [f"WORK {i}" for i in range(18)]
+    assert [w.title for w in split.val_works] == ["WORK 18", "WORK 19"]
+    for work in split.train_works + split.val_works:
+        assert text[work.start:work.end].startswith("WORK") and text[work.end - 1] == "!"
+    train_text = text[slice(*split.span("train"))]
+    val_text = text[slice(*split.span("val"))]
+    assert "WORK 17" in train_text and "WORK 18" not in train_text
+    assert val_text.startswith("WORK 18") and "WORK 17" not in val_text
+
+
+def test_validation_holds_at_least_one_work_and_never_all():
+    assert [w.title for w in split_text(make_works(3)).val_works] == ["WORK 2"]
+    split = split_text(make_works(2), val_fraction=0.9)
+    assert len(split.train_works) == len(split.val_works) == 1
+
+
+def test_a_single_work_falls_back_to_the_last_tenth_of_its_lines():
+    lines = [f"line {i}\n" for i in range(1, 51)]
+    split = split_text("".join(lines))
+    assert split.text[slice(*split.span("val"))] == "".join(lines[45:])
+    assert split.text[slice(*split.span("train"))] == "".join(lines[:45])
+    assert [w.title for w in split.val_works] == ["lines 46-50"]
+    short = split_text("first\nsecond")  # no final newline
+    assert short.text[slice(*short.span("val"))] == "second"
+    with pytest.raises(ValueError, match="single line"):
+        split_text("only one line\n")
+
+
+def test_find_works_ignores_blank_blocks():
+    assert find_works("\n\n\n \n\n\n") == []
+    with pytest.raises(ValueError, match="no non-blank work"):
+        split_text("   \n\n\n\n")
+
+
+def test_load_text_reads_utf8_and_reports_bad_files(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_bytes("\ufeffline one\r\nline two é\r\n".encode("utf-8"))
+    assert load_text(good) == "line one\nline two é\n"
+    with pytest.raises(FileNotFoundError, match="data file not found"):
+        load_text(tmp_path / "missing.txt")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"not UTF-8 text: byte 0xe9 at offset 3"):
+        load_text(latin)
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_text(empty)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(data, "ENCODE_CHUNK_CHARS", 21)
+    monkeypatch.setattr(data, "ENCODE_GROUP", 3)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_memmap_token_arrays_equal_direct_encoding(tmp_path, small_chunks, kind):
+    split = split_text(make_works(30))
+    vocab_size = None if kind == "char" else 300
+    tok = build_tokenizer(split, kind, vocab_size=vocab_size, cache_dir=tmp_path)
+    assert len(list(split.chunks("val", data.ENCODE_CHUNK_CHARS))) > data.ENCODE_GROUP
+    for which in ("train", "val"):
+        tokens = token_array(split, which, tok, cache_dir=tmp_path)
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+        assert tokens.tolist() == tok.encode(split.text[slice(*split.span(which))])
+    assert not [p for p in (tmp_path / "tokens").iterdir() if p.name.startswith(".")]
+
+
+def test_cached_tokens_and_tokenizers_are_reused(tmp_path, monkeypatch):
+    split = split_text(make_works(10))
+    tok = build_tokenizer(split, "bpe", vocab_size=280, cache_dir=tmp_path)
+    first = token_array(split, "train", tok, cache_dir=tmp_path)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cache was not used")
+
+    monkeypatch.setattr(BPETokenizer, "train", fail)
+    monkeypatch.setattr(BPETokenizer, "encode_many", fail)
+    again = build_tokenizer(split, "bpe", vocab_size=280, cache_dir=tmp_path)
+    assert again.fingerprint == tok.fingerprint
+    assert np.array_equal(token_array(split, "train", again, cache_dir=tmp_path), first)
+
+
+def test_an_interrupted_encoding_leaves_no_cache_entry(tmp_path, small_chunks, monkeypatch):
+    split = split_text(make_works(10))
+    tok = CharTokenizer(split.text)
+    calls = []
+
+    def encode_then_fail(texts):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return [tok.encode(t) for t in texts]
+
+    monkeypatch.setattr(tok, "encode_many", encode_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        token_array(split, "train", tok, cache_dir=tmp_path)
+    assert list((tmp_path / "tokens").iterdir()) == []
+
+
+def test_token_ids_need_uint32_beyond_65536():
+    assert data.token_dtype(65536) == np.uint16
+    assert data.token_dtype(65537) == np.uint32
+
+
+def test_build_tokenizer_validates_its_arguments():
+    split = split_text(make_works(3))
+    with pytest.raises(ValueError, match="vocab_size must be given for a bpe tokenizer"):
+        build_tokenizer(split, "bpe")
+    with pytest.raises(ValueError, match="vocab_size must be None for a char tokenizer"):
+        build_tokenizer(split, "char", vocab_size=10)
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        build_tokenizer(split, "unigram", vocab_size=10)
+
+
+def test_prepare_lm_data_on_the_bundled_corpus(tmp_path, bundled):
+    prepared = prepare_lm_data(cache_dir=tmp_path)
+    assert prepared.tokenizer.vocab_size == 84
+    assert len(prepared.train_tokens) == bundled.span("train")[1]
+    val_start, val_end = bundled.span("val")
+    assert prepared.val_tokens.tolist() == prepared.tokenizer.encode(bundled.text[val_start:val_end])
+
+
+def test_prepare_lm_data_with_a_given_tokenizer_encodes_a_user_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_works(10))
+    tok = CharTokenizer(make_works(10) + "xyz")
+    prepared = prepare_lm_data(path, tokenizer=tok, cache_dir=tmp_path / "cache")
+    assert prepared.tokenizer is tok
+    assert tok.decode(prepared.val_tokens) == prepared.split.text[slice(*prepared.split.span("val"))]
+
+
+@pytest.fixture
+def source():
+    return LMBatchSource(np.arange(1000, dtype=np.uint16), torch.arange(2000, 2100), block_size=8, seed=3)
+
+
+def test_targets_are_the_inputs_shifted_by_one_token(source):
+    batch = source.get_batch("train", 0, 5)
+    assert batch["idx"].shape == batch["targets"].shape == (5, 8)
+    assert batch["idx"].dtype == batch["targets"].dtype == torch.long
+    # The tokens are consecutive integers, so every window is start, start+1, ...
+    assert torch.equal(batch["targets"], batch["idx"] + 1)
+    assert torch.equal(batch["idx"], batch["idx"][:, :1] + torch.arange(8))
+    assert int(batch["targets"].max()) <= 999
+    val = source.get_batch("val", 0, 5)
+    assert int(val["idx"].min()) >= 2000 and int(val["targets"].max()) <= 2099
+
+
+def test_batches_depend_only_on_seed_split_and_index(source):
+    again = LMBatchSource(np.arange(1000, dtype=np.uint16), torch.arange(2000, 2100), block_size=8, seed=3)
+    torch.manual_seed(0)
+    first = source.get_batch("train", 7, 4)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    assert torch.equal(again.get_batch("train", 7, 4)["idx"], first["idx"])
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is left alone
+    assert not torch.equal(source.get_batch("train", 8, 4)["idx"], first["idx"])
+    other_seed = LMBatchSource(np.arange(1000), np.arange(100), block_size=8, seed=4)
+    assert not torch.equal(other_seed.get_batch("train", 7, 4)["idx"], first["idx"])
+
+
+def test_every_window_start_can_be_drawn():
+    source = LMBatchSource(np.arange(12), np.arange(9), block_size=8, seed=0)
+    starts = {int(source.get_batch("train", i, 16)["idx"][b, 0]) for i in range(20) for b in range(16)}
+    assert starts == {0, 1, 2, 3}
+    assert torch.equal(source.get_batch("val", 0, 2)["idx"], torch.arange(8).expand(2, 8))
+
+
+def test_batch_source_rejects_bad_arguments(source):
+    with pytest.raises(ValueError, match=r"the val split has 8 tokens but block_size=8 needs at least 9"):
+        LMBatchSource(np.arange(100), np.arange(8), block_size=8)
+    with pytest.raises(TypeError, match="train_tokens must be a 1-D integer array"):
+        LMBatchSource(np.zeros(100), np.arange(100), block_size=8)
+    with pytest.raises(ValueError, match="split must be one of 'train', 'val'"):
+        source.get_batch("test", 0, 2)
+    with pytest.raises(ValueError, match="index must be a non-negative int"):
+        source.get_batch("train", -1, 2)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        source.get_batch("train", 0, 0)

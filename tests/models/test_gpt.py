@@ -1,0 +1,307 @@
+"""GPT against Hugging Face GPT-2 with copied weights, config checks, presets, init, KV-cached decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import plainformer as pf
+from plainformer.generation.decoding import iter_generate
+from tests.reference.torch_reference import assert_close
+
+TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)
+
+
+def _gpt(**overrides) -> pf.GPT:
+    torch.manual_seed(0)
+    return pf.GPT(pf.GPTConfig(**{**TINY, **overrides})).eval()
+
+
+def _tokens(batch: int, n: int, vocab_size: int = TINY["vocab_size"], seed: int = 1) -> torch.Tensor:
+    return torch.randint(vocab_size, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- Hugging Face GPT-2
+
+def _hf_config(config: pf.GPTConfig) -> transformers.GPT2Config:
+    return transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.d_model,
+        n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_ff,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+
+
+def _weight_pairs(ours: pf.GPT, theirs: transformers.GPT2LMHeadModel):
+    """(our parameter, a function of HF's parameters giving its value) for every parameter of ours.
+
+    HF's Conv1D stores weights as (in, out), the transpose of nn.Linear's (out, in); c_attn holds
+    q, k and v side by side along `out`.
+    """
+    hf = dict(theirs.named_parameters())
+    d = ours.config.d_model
+    pairs = [(ours.token_embedding.weight, lambda p: p["transformer.wte.weight"]),
+             (ours.position.embedding.weight, lambda p: p["transformer.wpe.weight"]),
+             (ours.norm.weight, lambda p: p["transformer.ln_f.weight"]),
+             (ours.norm.bias, lambda p: p["transformer.ln_f.bias"])]
+    for i, block in enumerate(ours.blocks):
+        h = f"transformer.h.{i}."
+        attn, ff = block.self_attn, block.ff
+        for j, linear in enumerate((attn.W_q, attn.W_k, attn.W_v)):
+            pairs.append((linear.weight, lambda p, h=h, j=j: p[h + "attn.c_attn.weight"][:, j * d:(j + 1) * d].T))
+            pairs.append((linear.bias, lambda p, h=h, j=j: p[h + "attn.c_attn.bias"][j * d:(j + 1) * d]))
+        for linear, name in ((attn.W_o, "attn.c_proj"), (ff.W_1, "mlp.c_fc"), (ff.W_2, "mlp.c_proj")):
+            pairs.append((linear.weight, lambda p, h=h, name=name: p[h + name + ".weight"].T))
+            pairs.append((linear.bias, lambda p, h=h, name=name: p[h + name + ".bias"]))
+        for norm, name in ((block.norm1, "ln_1"), (block.norm2, "ln_2")):
+            pairs.append((norm.weight, lambda p, h=h, name=name: p[h + name + ".weight"]))
+            pairs.append((norm.bias, lambda p, h=h, name=name: p[h + name + ".bias"]))
+    assert len({id(ours_p) for ours_p, _ in pairs}) == len(list(ours.parameters()))
+    return pairs, hf
+
+
+def _gpt_and_hf(backend: str) -> tuple[pf.GPT, transformers.GPT2LMHeadModel]:
+    config = pf.GPTConfig(**TINY, bias=True, activation="gelu_tanh", pos_encoding="learned",
+                          tie_weights=True, backend=backend)
+    torch.manual_seed(0)
+    theirs = transformers.GPT2LMHeadModel(_hf_config(config)).eval()
+    with torch.no_grad():  # larger than GPT-2's init so attention is far from uniform; random biases and norms
+        for name, parameter in theirs.named_parameters():
+            parameter.normal_(0.0, 0.5 if parameter.ndim == 1 else 0.15)
+    ours = pf.GPT(config).eval()
+    pairs, hf = _weight_pairs(ours, theirs)
+    with torch.no_grad():
+        for parameter, value in pairs:
+            parameter.copy_(value(hf))
+    return ours, theirs
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_matches_hugging_face_gpt2_logits_loss_and_gradients_with_copied_weights(backend):
+    ours, theirs = _gpt_and_hf(backend)
+    idx = _tokens(3, TINY["block_size"])
+    targets = torch.cat((idx[:, 1:], torch.full((3, 1), -100)), dim=1)  # HF shifts labels itself
+    logits, loss = ours(idx, targets)
+    expected = theirs(idx, labels=idx)
+    assert_close(logits, expected.logits, "logits")
+    assert_close(loss, expected.loss, "loss")
+    loss.backward()
+    expected.loss.backward()
+    pairs, hf = _weight_pairs(ours, theirs)
+    hf_grads = {name: p.grad for name, p in hf.items()}
+    for parameter, value in pairs:
+        assert_close(parameter.grad, value(hf_grads), "gradient")
+
+
+def test_tied_output_projection_is_the_token_embedding():
+    model = _gpt(tie_weights=True)
+    assert model.lm_head.weight is model.token_embedding.weight
+    untied = _gpt(tie_weights=False)
+    assert untied.num_parameters() == model.num_parameters() + TINY["vocab_size"] * TINY["d_model"]
+
+
+def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
+    model = _gpt()
+    idx, targets = _tokens(2, 10), _tokens(2, 10, seed=2)
+    targets[0, :4] = -100
+    logits, loss = model(idx, targets)
+    kept = targets.flatten() != -100
+    expected = F.cross_entropy(logits.flatten(0, 1)[kept].double(), targets.flatten()[kept])
+    assert abs(loss.item() - expected.item()) <= 1e-5
+    assert model(idx)[1] is None
+
+
+# ----------------------------------------------------------------------------- config and inputs
+
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
+    ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
+    ("activation", "tanh"), ("backend", "cuda"),
+])
+def test_config_rejects_bad_fields_naming_them(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        pf.GPTConfig(**{**TINY, field: value})
+
+
+def test_config_rejects_odd_dimensions_for_rope_and_sinusoidal_positions():
+    with pytest.raises(ValueError, match="rope.*even head dimension"):
+        pf.GPTConfig(**{**TINY, "d_model": 36, "n_heads": 4}, pos_encoding="rope")  # head_dim 9
+    with pytest.raises(ValueError, match="sinusoidal.*even d_model"):
+        pf.GPTConfig(**{**TINY, "d_model": 33, "n_heads": 3}, pos_encoding="sinusoidal")
+
+
+def test_model_rejects_a_non_config():
+    with pytest.raises(TypeError, match="config must be a GPTConfig, got dict"):
+        pf.GPT(dict(TINY))
+
+
+def test_forward_rejects_bad_inputs_naming_them():
+    model = _gpt()
+    with pytest.raises(ValueError, match="block_size=24"):
+        model(_tokens(1, 25))
+    with pytest.raises(ValueError, match=r"idx holds ids in \[0, 53\]"):
+        model(torch.tensor([[0, 53]]))
+    with pytest.raises(TypeError, match="idx must hold integer token ids"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="targets must have the shape of idx"):
+        model(_tokens(2, 5), _tokens(2, 4))
+    with pytest.raises(ValueError, match="one cache per layer"):
+        model(_tokens(1, 3), kv_caches=model.new_kv_caches(1)[:1])
+
+
+def test_presets_have_the_documented_shapes():
+    cpu = pf.GPTConfig.from_preset("nanogpt-cpu")
+    assert (cpu.n_layers, cpu.n_heads, cpu.d_model, cpu.block_size, cpu.dropout) == (4, 4, 128, 64, 0.0)
+    char = pf.GPTConfig.from_preset("shakespeare-char")
+    assert (char.n_layers, char.n_heads, char.d_model, char.block_size, char.dropout) == (6, 6, 384, 256, 0.2)
+    with pytest.raises(ValueError, match="unknown GPTConfig preset 'gpt3'"):
+        pf.GPTConfig.from_preset("gpt3")
+    for name in pf.GPTConfig.preset_names():
+        pf.GPTConfig.from_preset(name, vocab_size=65)
+
+
+def test_gpt2_preset_has_the_parameter_count_of_hugging_face_gpt2():
+    config = pf.GPTConfig.from_preset("gpt2")
+    with torch.device("meta"):  # shapes only: no 500 MB of weights to initialise
+        ours = pf.GPT(config)
+        theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.d_model,
+            n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_ff))
+    assert ours.num_parameters() == theirs.num_parameters() == 124_439_808
+    assert ours.num_parameters(exclude_embeddings=True) == theirs.num_parameters(exclude_embeddings=True)
+
+
+def test_gpt2_init_scales_residual_projections_by_one_over_sqrt_two_n_layers():
+    n_layers = 8
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(vocab_size=256, block_size=32, n_layers=n_layers, n_heads=4, d_model=128,
+                                d_ff=512, bias=True))
+
+    def stats(tensors):
+        values = torch.cat([t.detach().flatten() for t in tensors])
+        return values.mean().item(), values.std().item(), values.numel()
+
+    residual = 0.02 / math.sqrt(2 * n_layers)
+    groups = {
+        residual: [p for b in model.blocks for p in (b.self_attn.W_o.weight, b.ff.W_2.weight)],
+        0.02: [p for b in model.blocks for p in (b.self_attn.W_q.weight, b.self_attn.W_k.weight,
+                                                  b.self_attn.W_v.weight, b.ff.W_1.weight)]
+        + [model.token_embedding.weight, model.position.embedding.weight],
+    }
+    for std, tensors in groups.items():
+        mean, measured, count = stats(tensors)
+        # sample std of N normals has relative standard error 1/sqrt(2N) (< 0.4% here): allow 5 of them
+        assert abs(measured / std - 1) < 5 / math.sqrt(2 * count), (std, measured)
+        assert abs(mean) < 5 * std / math.sqrt(count)
+    biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+    assert biases and all(bool((b == 0).all()) for b in biases)
+
+
+# ----------------------------------------------------------------------------- KV-cached decoding
+
+CACHE_VARIANTS = {
+    "learned": dict(pos_encoding="learned"),
+    "rope": dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
+    "sinusoidal": dict(pos_encoding="sinusoidal"),
+    "gqa-rope": dict(pos_encoding="rope", n_kv_heads=2),
+    "mqa-learned": dict(pos_encoding="learned", n_kv_heads=1, bias=True),
+}
+
+
+def _decode(model: pf.GPT, prompt: torch.Tensor, steps: int, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new tokens (B, steps), their logits (B, steps, V)) from `iter_generate`."""
+    with torch.no_grad():
+        pairs = list(iter_generate(model, prompt, steps, **options))
+    return torch.stack([t for t, _ in pairs], 1), torch.stack([z for _, z in pairs], 1)
+
+
+@pytest.mark.parametrize("variant", CACHE_VARIANTS)
+@pytest.mark.parametrize("decoder", ["model", "model.decoder()"])
+def test_cached_logits_at_every_generated_position_equal_the_full_forward_pass(variant, decoder):
+    model = _gpt(**CACHE_VARIANTS[variant])
+    prompt = _tokens(2, 5)
+    steps = TINY["block_size"] - prompt.shape[1]
+    tokens, logits = _decode(model if decoder == "model" else model.decoder(), prompt, steps,
+                             temperature=1.0, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(torch.cat((prompt, tokens), dim=1)[:, :-1])[0]
+    assert_close(logits, full[:, prompt.shape[1] - 1:], "cached vs full logits")
+
+
+@pytest.mark.parametrize("variant", CACHE_VARIANTS)
+def test_chunked_prefill_into_the_cache_equals_the_full_pass(variant):
+    model = _gpt(**CACHE_VARIANTS[variant])
+    idx = _tokens(2, 20)
+    caches = model.new_kv_caches(2)
+    with torch.no_grad():
+        chunks = [model(idx[:, a:b], kv_caches=caches)[0] for a, b in ((0, 3), (3, 4), (4, 11), (11, 20))]
+        full = model(idx)[0]
+    assert_close(torch.cat(chunks, dim=1), full, "chunked vs full logits")
+
+
+@pytest.mark.parametrize("variant", CACHE_VARIANTS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
+    model = _gpt(**CACHE_VARIANTS[variant])
+    prompt = _tokens(3, 4)
+    outputs = [model.generate(prompt, 18, temperature=temperature, use_cache=use_cache,
+                              generator=torch.Generator().manual_seed(5))
+               for use_cache in (True, False)]
+    assert outputs[0].shape == (3, 22)
+    assert torch.equal(outputs[0][:, :4], prompt)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_restores_onednn():
+    """A batch-1 bf16 step runs on ATen's matmul kernels instead of oneDNN's (see GPTDecoder): the
+    logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
+    relative to the largest logit), and the process-wide oneDNN switch is as it was afterwards."""
+    model = _gpt().to(torch.bfloat16)
+    prompt = _tokens(1, 5)
+    enabled = torch.backends.mkldnn.enabled
+    tokens, logits = _decode(model.decoder(), prompt, 15, temperature=0)
+    assert torch.backends.mkldnn.enabled == enabled
+    with torch.no_grad():
+        full = model(torch.cat((prompt, tokens), dim=1)[:, :-1])[0][:, prompt.shape[1] - 1:].float()
+    assert (logits.float() - full).abs().max() <= 2 * 2**-8 * full.abs().max()
+
+
+def _sliding_reference(model: pf.GPT, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits generation.py documents: the context is at most block_size tokens; when it would grow
+    past that, it restarts from the last block_size // 2 tokens, then grows again. One full pass each."""
+    block = model.block_size
+    sequence = torch.cat((prompt, tokens), dim=1)
+    start, logits = max(0, prompt.shape[1] - block), []
+    for length in range(prompt.shape[1], sequence.shape[1]):
+        if length - start > block:
+            start = length - block // 2
+        logits.append(model(sequence[:, start:length])[0][:, -1])
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal"])
+@pytest.mark.parametrize("prompt_length", [5, 30])  # 30 > block_size: the prompt is cut to its last block
+def test_sliding_context_past_block_size_matches_the_documented_windows(variant, prompt_length):
+    model = _gpt(**CACHE_VARIANTS[variant])
+    prompt = _tokens(2, prompt_length)
+    steps = 3 * TINY["block_size"]
+    tokens, cached = _decode(model.decoder(), prompt, steps, temperature=1.0,
+                             generator=torch.Generator().manual_seed(7))
+    uncached_tokens, uncached = _decode(model, prompt, steps, temperature=1.0, use_cache=False,
+                                        generator=torch.Generator().manual_seed(7))
+    assert torch.equal(tokens, uncached_tokens)
+    with torch.no_grad():
+        expected = _sliding_reference(model, prompt, tokens)
+    assert_close(cached, expected, "cached logits past block_size")
+    assert_close(uncached, expected, "uncached logits past block_size")
+
+
+def test_generate_runs_in_eval_mode_and_restores_training_mode():
+    model = _gpt(dropout=0.5).train()
+    prompt = _tokens(1, 3)
+    first, second = (model.generate(prompt, 10, temperature=0) for _ in range(2))
+    assert torch.equal(first, second)  # dropout off while generating
+    assert model.training

@@ -1,0 +1,377 @@
+"""Attention against torch: F.scaled_dot_product_attention for the functions, nn.MultiheadAttention
+(with copied weights) for MultiHeadAttention; float64 gradcheck; property tests on the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import plainformer as pf
+from tests.reference.torch_reference import (
+    assert_close,
+    attention_parameter_grads,
+    input_and_parameter_grads,
+    load_torch_attention,
+    randomize_biases,
+    upstream_like,
+)
+
+B, H, D_K, D_V = 2, 2, 8, 6
+LENGTHS = [(4, 4), (3, 5), (5, 3)]  # (n, m): self-attention shape, then n < m and n > m
+MASKS = ["none", "bool", "additive", "causal", "padding", "causal+padding"]
+
+
+def _ours(impl: str):
+    """The function under test as (q, k, v, mask, **options) -> output."""
+    if impl == "scaled_dot_product_attention":
+        return lambda q, k, v, mask, **kw: pf.scaled_dot_product_attention(q, k, v, mask, **kw)[0]
+    return lambda q, k, v, mask, **kw: pf.attention(q, k, v, mask, backend=impl, **kw)
+
+
+IMPLS = ["scaled_dot_product_attention", "math", "sdpa", "auto"]
+
+
+def _qkv(n: int, m: int, dtype: torch.dtype, *, heads: int = H, kv_heads: int = H,
+         seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, heads, n, D_K, generator=g, dtype=dtype),
+            torch.randn(B, kv_heads, m, D_K, generator=g, dtype=dtype),
+            torch.randn(B, kv_heads, m, D_V, generator=g, dtype=dtype))
+
+
+def _padding(m: int) -> Tensor:
+    """(B, 1, 1, m), True = real key: batch 0 unpadded, batch 1 with its last two keys padded."""
+    keep = torch.ones(B, 1, 1, m, dtype=torch.bool)
+    keep[1, ..., m - 2:] = False
+    return keep
+
+
+def _mask_case(kind: str, n: int, m: int, dtype: torch.dtype) -> tuple[Tensor | None, bool, Tensor | None]:
+    """(our mask, is_causal, torch's attn_mask). torch's mask states the causal part explicitly,
+    built with tril rather than our causal_mask, so the reference stays independent."""
+    g = torch.Generator().manual_seed(1)
+    allowed = torch.rand(B, 1, n, m, generator=g) < 0.6
+    allowed[..., torch.arange(n), torch.arange(n) % m] = True  # every query keeps a key
+    tril = torch.ones(n, m, dtype=torch.bool).tril()
+    if kind == "none":
+        return None, False, None
+    if kind == "bool":
+        return allowed, False, allowed
+    if kind == "additive":
+        additive = torch.randn(n, m, generator=g, dtype=dtype).masked_fill(~allowed[0, 0], float("-inf"))
+        return additive, False, additive
+    if kind == "causal":
+        return None, True, tril
+    if kind == "padding":
+        return _padding(m), False, _padding(m)
+    return _padding(m), True, _padding(m) & tril
+
+
+def _forward_backward(fn, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> list[Tensor]:
+    """[output, dq, dk, dv] for the loss <output, G> with a fixed random G."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, **kwargs)
+    return [out, *torch.autograd.grad(out, (q, k, v), upstream_like(out))]
+
+
+def _torch_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, **kwargs) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+# ----------------------------------------------------------------------------- functions vs torch
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,m", LENGTHS)
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_torch_sdpa_outputs_and_gradients(impl, kind, n, m, dtype):
+    q, k, v = _qkv(n, m, dtype)
+    mask, is_causal, reference_mask = _mask_case(kind, n, m, dtype)
+    ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal)
+    theirs = _forward_backward(_torch_sdpa, q, k, v, mask=reference_mask)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs):
+        assert_close(a, b, name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_torch_sdpa_with_explicit_scale(impl):
+    q, k, v = _qkv(3, 5, torch.float64)
+    ours = _forward_backward(_ours(impl), q, k, v, mask=None, scale=0.3)
+    theirs = _forward_backward(_torch_sdpa, q, k, v, mask=None, scale=0.3)
+    for a, b in zip(ours, theirs):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["none", "causal", "padding"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_query_attention_equals_repeated_kv_heads(impl, kind, dtype):
+    """H_kv = 2 key/value heads serve H = 4 query heads: head h reads kv head h // 2."""
+    n, m = 3, 5
+    q, k, v = _qkv(n, m, dtype, heads=4, kv_heads=2)
+    mask, is_causal, reference_mask = _mask_case(kind, n, m, dtype)
+
+    def repeated(q, k, v, mask):
+        return _torch_sdpa(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
+
+    ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal)
+    theirs = _forward_backward(repeated, q, k, v, mask=reference_mask)
+    for a, b in zip(ours, theirs):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", MASKS)
+def test_weights_are_the_masked_softmax_of_scaled_scores(kind):
+    n, m = 3, 5
+    q, k, v = _qkv(n, m, torch.float64)
+    mask, is_causal, reference_mask = _mask_case(kind, n, m, torch.float64)
+    out, weights = pf.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    scores = q @ k.transpose(-2, -1) / D_K ** 0.5
+    if reference_mask is not None:
+        scores = (scores.masked_fill(~reference_mask, float("-inf")) if reference_mask.dtype == torch.bool
+                  else scores + reference_mask)
+    expected = torch.softmax(scores, dim=-1)
+    assert_close(weights, expected)
+    assert_close(out, expected @ v)
+
+
+def test_gradcheck_float64_math_and_sdpa():
+    q, k, v = (x.requires_grad_() for x in _qkv(3, 4, torch.float64))
+    mask = _padding(4)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: pf.scaled_dot_product_attention(q, k, v, mask, is_causal=True), (q, k, v))
+    for backend in ("math", "sdpa"):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: pf.attention(q, k, v, mask, backend=backend), (q, k, v))
+
+
+def test_dropout_zeroes_weights_and_rescales_the_rest():
+    q, k, v = _qkv(4, 4, torch.float64)
+    torch.manual_seed(0)
+    _, weights = pf.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    _, plain = pf.scaled_dot_product_attention(q, k, v)
+    kept = weights != 0
+    assert 0 < kept.float().mean() < 1
+    assert_close(weights[kept], 2 * plain[kept])
+
+
+# ----------------------------------------------------------------------------- properties
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6), m=st.integers(1, 6), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**16),
+       is_causal=st.booleans())
+def test_weight_rows_sum_to_one_or_zero_when_fully_masked(n, m, density, seed, is_causal):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, length, 4, generator=g, dtype=torch.float64) for length in (n, m, m))
+    mask = torch.rand(1, 2, n, m, generator=g) < density
+    _, weights = pf.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    allowed = mask & torch.ones(n, m, dtype=torch.bool).tril() if is_causal else mask
+    expected_sums = allowed.any(dim=-1).to(torch.float64)
+    assert_close(weights.sum(dim=-1), expected_sums)
+    assert (weights >= 0).all() and (weights[~allowed] == 0).all()
+
+
+ALL_BACKENDS = ["math", "sdpa", "flash"]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_fully_masked_rows_give_zeros_and_finite_gradients(backend, is_causal):
+    """Batch 1 has every key padded: its output rows are 0, its q-gradient is 0, nothing is NaN."""
+    device = "cuda" if backend == "flash" and torch.cuda.is_available() else "cpu"
+    q, k, v = (x.to(device) for x in _qkv(4, 4, torch.float32))
+    keep = torch.ones(B, 1, 1, 4, dtype=torch.bool, device=device)
+    keep[1] = False
+    out, dq, dk, dv = _forward_backward(lambda q, k, v: pf.attention(q, k, v, keep, is_causal=is_causal,
+                                                                      backend=backend), q, k, v)
+    for x in (out, dq, dk, dv):
+        assert torch.isfinite(x).all()
+    assert (out[1] == 0).all() and (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+    assert out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_fully_masked_query_row_is_zero_while_others_match_torch(impl, mask_dtype):
+    """Query 1 of every head sees no key (all False, or all -inf in an additive mask); torch (2.5+)
+    also returns zeros there."""
+    q, k, v = _qkv(3, 5, torch.float32)
+    allowed = torch.ones(3, 5, dtype=torch.bool)
+    allowed[1] = False
+    mask = allowed if mask_dtype == torch.bool else torch.zeros(3, 5).masked_fill(~allowed, float("-inf"))
+    out, dq, dk, dv = _forward_backward(_ours(impl), q, k, v, mask=mask)
+    for x in (out, dq, dk, dv):
+        assert torch.isfinite(x).all()
+    assert (out[..., 1, :] == 0).all() and (dq[..., 1, :] == 0).all()
+    for a, b in zip((out, dq, dk, dv), _forward_backward(_torch_sdpa, q, k, v, mask=mask)):
+        assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- MultiHeadAttention
+
+D_MODEL, N_HEADS = 8, 2
+
+
+def _mha_pair(seed: int = 0, dtype: torch.dtype = torch.float64, backend: str = "auto"):
+    """torch's nn.MultiheadAttention (random biases) and ours with its weights, in train mode, dropout 0."""
+    torch.manual_seed(seed)
+    theirs = nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True, dtype=dtype)
+    randomize_biases(theirs, torch.Generator().manual_seed(seed))
+    ours = pf.MultiHeadAttention(D_MODEL, N_HEADS, backend=backend).to(dtype)
+    load_torch_attention(ours, theirs)
+    return ours, theirs
+
+
+def _mha_inputs(n: int, m: int, dtype: torch.dtype, self_attention: bool):
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(B, n, D_MODEL, generator=g, dtype=dtype, requires_grad=True)
+    if self_attention:
+        return query, query, query
+    key = torch.randn(B, m, D_MODEL, generator=g, dtype=dtype, requires_grad=True)
+    value = torch.randn(B, m, D_MODEL, generator=g, dtype=dtype, requires_grad=True)
+    return query, key, value
+
+
+def _mha_masks(kind: str, n: int, m: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Keyword arguments for ours and for torch. torch's boolean masks are True = ignore, ours
+    True = attend, so each torch mask is the negation of ours; float masks are additive in both."""
+    g = torch.Generator().manual_seed(4)
+    padded = torch.zeros(B, m, dtype=torch.bool)
+    padded[1, m - 2:] = True  # torch: True = padding
+    blocked = torch.rand(n, m, generator=g) < 0.3
+    blocked[:, 0] = False
+    per_head = torch.rand(B, N_HEADS, n, m, generator=g) < 0.3
+    per_head[..., 0] = False
+    causal_blocked = torch.ones(n, m, dtype=torch.bool).triu(1)
+    additive = torch.randn(n, m, generator=g, dtype=dtype)
+    if kind == "none":
+        return {}, {}
+    if kind == "padding":
+        return {"key_padding_mask": ~padded}, {"key_padding_mask": padded}
+    if kind == "attn_mask":
+        return {"mask": ~blocked}, {"attn_mask": blocked}
+    if kind == "additive":
+        return {"mask": additive}, {"attn_mask": additive}
+    if kind == "batch":  # ours (B, n, m) for every head; torch's 3-D masks are (B·h, n, m)
+        return {"mask": ~per_head[:, 0]}, {"attn_mask": per_head[:, 0].repeat_interleave(N_HEADS, dim=0)}
+    if kind == "per_head":
+        return {"mask": ~per_head}, {"attn_mask": per_head.reshape(B * N_HEADS, n, m)}
+    if kind == "causal":
+        return {"is_causal": True}, {"attn_mask": causal_blocked}
+    return ({"mask": ~blocked, "key_padding_mask": ~padded, "is_causal": True},
+            {"attn_mask": blocked | causal_blocked, "key_padding_mask": padded})
+
+
+MHA_MASKS = ["none", "padding", "attn_mask", "additive", "batch", "per_head", "causal", "all"]
+
+
+def _mha_grads(module, output: Tensor, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    return input_and_parameter_grads(module, output, inputs, attention_parameter_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("kind", MHA_MASKS)
+@pytest.mark.parametrize("self_attention", [True, False], ids=["self", "cross"])
+def test_matches_torch_multihead_attention_with_copied_weights(self_attention, kind, backend, dtype):
+    n, m = (5, 5) if self_attention else (3, 5)
+    ours, theirs = _mha_pair(dtype=dtype, backend=backend)
+    inputs = _mha_inputs(n, m, dtype, self_attention)
+    our_kwargs, their_kwargs = _mha_masks(kind, n, m, dtype)
+    for need_weights in (False, True):
+        out = ours(*inputs, need_weights=need_weights, **our_kwargs)
+        ref, ref_weights = theirs(*inputs, need_weights=need_weights, average_attn_weights=False,
+                                  **their_kwargs)
+        if need_weights:
+            out, weights = out
+            assert weights.shape == (B, N_HEADS, n, m)
+            assert_close(weights, ref_weights, "per-head weights")
+        assert_close(out, ref, "output")
+        for i, (a, b) in enumerate(zip(_mha_grads(ours, out, inputs), _mha_grads(theirs, ref, inputs))):
+            assert_close(a, b, f"gradient {i}")
+
+
+@pytest.mark.parametrize("self_attention", [True, False], ids=["self", "cross"])
+def test_head_averaged_weights_match_torch(self_attention):
+    n, m = (5, 5) if self_attention else (3, 5)
+    ours, theirs = _mha_pair()
+    inputs = _mha_inputs(n, m, torch.float64, self_attention)
+    our_kwargs, their_kwargs = _mha_masks("all", n, m, torch.float64)
+    _, weights = ours(*inputs, need_weights=True, **our_kwargs)
+    _, averaged = theirs(*inputs, need_weights=True, average_attn_weights=True, **their_kwargs)
+    assert_close(weights.mean(dim=1), averaged)
+
+
+def test_matches_torch_in_eval_mode_without_grad():
+    """nn.MultiheadAttention takes its fused fast path here, a second reference implementation."""
+    ours, theirs = _mha_pair(dtype=torch.float32)
+    ours.eval(), theirs.eval()
+    x = torch.randn(B, 5, D_MODEL)
+    padded = torch.zeros(B, 5, dtype=torch.bool)
+    padded[1, 3:] = True
+    with torch.no_grad():
+        assert_close(ours(x, x, x, key_padding_mask=~padded),
+                     theirs(x, x, x, key_padding_mask=padded, need_weights=False)[0])
+
+
+def test_gradcheck_float64_multihead_attention():
+    ours, _ = _mha_pair()
+    query, key, value = _mha_inputs(3, 4, torch.float64, self_attention=False)
+    keep = torch.ones(B, 4, dtype=torch.bool)
+    keep[0, -1] = False
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ours(q, k, v, key_padding_mask=keep, is_causal=True), (query, key, value))
+
+
+def test_grouped_query_mha_equals_full_mha_with_repeated_kv_projections():
+    torch.manual_seed(0)
+    grouped = pf.MultiHeadAttention(16, 4, n_kv_heads=2).double()
+    full = pf.MultiHeadAttention(16, 4).double()
+    with torch.no_grad():
+        for name in ("W_q", "W_o"):
+            getattr(full, name).load_state_dict(getattr(grouped, name).state_dict())
+        for name in ("W_k", "W_v"):  # rows (h_kv, d_k) -> (h, d_k), each kv head serving 2 query heads
+            source, target = getattr(grouped, name), getattr(full, name)
+            target.weight.copy_(source.weight.view(2, 4, 16).repeat_interleave(2, dim=0).reshape(16, 16))
+            target.bias.copy_(source.bias.view(2, 4).repeat_interleave(2, dim=0).reshape(16))
+    x = torch.randn(B, 5, 16, dtype=torch.float64)
+    assert_close(grouped(x, x, x, is_causal=True), full(x, x, x, is_causal=True))
+    (out, weights), (ref, ref_weights) = (module(x, x, x, is_causal=True, need_weights=True)
+                                          for module in (grouped, full))
+    assert_close(out, ref)
+    assert_close(weights, ref_weights)
+
+
+# ----------------------------------------------------------------------------- KV cache and rope
+
+@pytest.mark.parametrize("prefill", [1, 3])
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_decoding_with_kv_cache_and_rope_equals_the_full_causal_pass(n_kv_heads, prefill):
+    """Feed `prefill` tokens at once, then one token at a time: each step sees the cached past."""
+    torch.manual_seed(0)
+    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads).eval()
+    rope = pf.RotaryEmbedding(head_dim=4, max_len=8)
+    x = torch.randn(B, 6, 16)
+    full = mha(x, x, x, is_causal=True, rope=rope)
+    cache = pf.KVCache(B, n_kv_heads, max_len=8, head_dim=4)
+    steps = [x[:, :prefill]] + [x[:, t:t + 1] for t in range(prefill, 6)]
+    decoded = torch.cat([mha(step, step, step, is_causal=True, rope=rope, kv_cache=cache) for step in steps], dim=1)
+    assert cache.length == 6
+    assert_close(decoded, full)
+
+
+def test_static_cache_reuses_the_projected_memory_for_cross_attention():
+    torch.manual_seed(0)
+    mha = pf.MultiHeadAttention(16, 4).eval()
+    memory, queries = torch.randn(B, 5, 16), torch.randn(B, 3, 16)
+    keep = torch.ones(B, 5, dtype=torch.bool)
+    keep[1, 3:] = False
+    full = mha(queries, memory, memory, key_padding_mask=keep)
+    cache = pf.KVCache(B, 4, max_len=5, head_dim=4, static=True)
+    steps = [mha(queries[:, t:t + 1], memory, memory, key_padding_mask=keep, kv_cache=cache) for t in range(3)]
+    assert cache.length == 5
+    assert_close(torch.cat(steps, dim=1), full)

@@ -1,0 +1,1 @@
+"""Independent references the tests compare against: torch.nn modules with copied weights, hand computations."""

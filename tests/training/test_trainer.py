@@ -1,0 +1,252 @@
+"""Tests for plainformer.training.trainer: schedules, AdamW groups, exact resume, Ctrl-C, bf16, time budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plainformer.config import Config
+from plainformer.io.checkpoint import CheckpointError, load_checkpoint
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import lr_at, make_optimizer, parameter_groups
+from plainformer.training.trainer import Trainer, TrainingInterrupted
+
+VOCAB, SEQ = 13, 8
+
+
+@dataclasses.dataclass
+class TinyConfig(Config):
+    vocab_size: int = VOCAB
+    d_model: int = 8
+    d_ff: int = 16
+    dropout: float = 0.1
+
+
+class TinyLM(nn.Module):
+    """Embedding -> 2-layer MLP -> LayerNorm -> output tied to the embedding; dropout in between."""
+
+    family = "tiny-lm"
+
+    def __init__(self, config: TinyConfig = TinyConfig()):
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, targets=None):
+        x = self.emb(idx)                                          # (B, T, d)
+        x = x + self.fc2(self.drop(F.gelu(self.fc1(x))))
+        logits = self.head(self.norm(x))                           # (B, T, V)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+class CountingTokens:
+    """Deterministic in (seed, split, index): rows start at a random token and count up mod VOCAB,
+    so the next token is learnable."""
+
+    def __init__(self, seed: int = 0, sigint_at: int | None = None, delay_s: float = 0.0):
+        self.seed, self.sigint_at, self.delay_s = seed, sigint_at, delay_s
+
+    def get_batch(self, split, index, batch_size):
+        if index == self.sigint_at and split == "train":
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(self.delay_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + 2 * index + (split == "val"))
+        start = torch.randint(VOCAB, (batch_size, 1), generator=g)
+        x = (start + torch.arange(SEQ + 1)) % VOCAB                # (B, T+1)
+        return {"idx": x[:, :-1], "targets": x[:, 1:]}
+
+
+def small_config(**overrides) -> TrainConfig:
+    values = dict(max_steps=8, batch_size=4, grad_accum_steps=2, lr=1e-2, min_lr=1e-3, warmup_steps=2,
+                  eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7)
+    return TrainConfig(**{**values, **overrides})
+
+
+def fresh_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def train(out_dir, source=None, *, resume=False, model=None, **overrides):
+    model = model or fresh_model()
+    trainer = Trainer(model, source or CountingTokens(), small_config(**overrides), out_dir,
+                      resume=resume, progress=False)
+    return trainer, trainer.fit()
+
+
+def read_metrics(out_dir, key):
+    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r[key]) for r in lines if key in r]
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def test_cosine_warms_up_linearly_then_decays_to_min_lr():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(1, cfg) == pytest.approx(1e-4)
+    assert lr_at(5, cfg) == pytest.approx(5e-4)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(5.5e-4)        # halfway: cos(π/2) = 0
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    assert lr_at(85, cfg) == pytest.approx(1e-4 + 0.45e-3 * (1 + math.cos(0.75 * math.pi)))
+
+
+def test_cosine_reaches_min_lr_at_decay_steps_and_stays_there():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0, max_steps=200, decay_steps=100)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(150, cfg) == pytest.approx(1e-4)
+
+
+def test_constant_schedule_holds_lr_after_warmup():
+    cfg = TrainConfig(schedule="constant", lr=3e-4, warmup_steps=4)
+    assert [lr_at(t, cfg) for t in (1, 4, 5, 1000)] == pytest.approx([0.75e-4, 3e-4, 3e-4, 3e-4])
+
+
+def test_inverse_sqrt_matches_the_paper_formula_computed_by_hand():
+    # lrate = 512^-0.5 * min(t^-0.5, t * 4000^-1.5), values worked out to 10 digits with a calculator.
+    cfg = TrainConfig.from_preset("transformer-paper")
+    assert lr_at(1, cfg) == pytest.approx(1.746928107e-07, rel=1e-9)
+    assert lr_at(1000, cfg) == pytest.approx(1.746928107e-04, rel=1e-9)
+    assert lr_at(4000, cfg) == pytest.approx(6.987712429e-04, rel=1e-9)
+    assert lr_at(16000, cfg) == pytest.approx(3.493856215e-04, rel=1e-9)
+    assert lr_at(8000, cfg.replace(lr=2.0)) == pytest.approx(2 * 4.941058844e-04, rel=1e-9)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(schedule="linear"), "schedule"), (dict(batch_size=0), "batch_size"),
+    (dict(min_lr=1.0, lr=0.1), "min_lr"), (dict(schedule="inverse_sqrt"), "schedule_d_model"),
+    (dict(dtype="float16"), "dtype"), (dict(beta2=1.0), "beta2"), (dict(max_time=0), "max_time"),
+    (dict(decay_steps=50, warmup_steps=100), "decay_steps"),
+])
+def test_invalid_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**bad)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def test_no_weight_decay_on_biases_norms_and_embeddings():
+    model = fresh_model()
+    decay, no_decay = parameter_groups(model)
+    assert {id(p) for p in decay} == {id(model.fc1.weight), id(model.fc2.weight)}
+    assert {id(p) for p in no_decay} == {id(p) for p in model.parameters()} - {id(p) for p in decay}
+
+    # With zero gradients AdamW only decays: decayed weights shrink by (1 - lr·wd), the rest stay put.
+    cfg = TrainConfig(lr=0.5, weight_decay=0.1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = make_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        factor = 1 - 0.5 * 0.1 if name in ("fc1.weight", "fc2.weight") else 1.0
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def test_resume_gives_the_same_losses_and_bit_identical_weights(tmp_path):
+    reference, _ = train(tmp_path / "a", max_steps=8)
+    train(tmp_path / "b", max_steps=4, decay_steps=8)
+    resumed, metrics = train(tmp_path / "b", resume=True, model=fresh_model(seed=99),
+                             max_steps=8, decay_steps=8)
+    assert metrics["step"] == 8 and resumed.data_position == 16
+    assert read_metrics(tmp_path / "b", "train_loss") == read_metrics(tmp_path / "a", "train_loss")
+    assert len(read_metrics(tmp_path / "b", "train_loss")) == 8
+    assert_same_weights(resumed.model, reference.model)
+    for s, t in zip(resumed.optimizer.state.values(), reference.optimizer.state.values()):
+        assert all(torch.equal(s[k], t[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_sigint_finishes_the_step_saves_last_and_resume_continues_exactly(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted) as info:
+        train(tmp_path / "run", CountingTokens(sigint_at=5), max_steps=6)   # index 5: 2nd half of step 3
+    assert signal.getsignal(signal.SIGINT) is before
+    assert info.value.step == 3 and info.value.checkpoint == tmp_path / "run" / "last"
+    state = load_checkpoint(tmp_path / "run" / "last").trainer_state
+    assert (state["step"], state["data_position"]) == (3, 6)
+
+    resumed, _ = train(tmp_path / "run", resume=True, max_steps=6)
+    reference, _ = train(tmp_path / "ref", max_steps=6)
+    assert_same_weights(resumed.model, reference.model)
+    assert read_metrics(tmp_path / "run", "train_loss") == read_metrics(tmp_path / "ref", "train_loss")
+
+
+def test_sigint_before_the_first_log_line_still_records_the_loss_and_plots(tmp_path):
+    with pytest.raises(TrainingInterrupted):
+        train(tmp_path, CountingTokens(sigint_at=0), log_interval=10)
+    assert [step for step, _ in read_metrics(tmp_path, "train_loss")] == [1]
+    assert (tmp_path / "loss.png").exists()
+    assert load_checkpoint(tmp_path / "last").trainer_state["train_loss"] is not None
+
+
+def test_bf16_autocast_runs_matmuls_in_bfloat16_with_a_finite_loss(tmp_path):
+    model = fresh_model()
+    seen = []
+    model.fc1.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    _, metrics = train(tmp_path, model=model, dtype="bfloat16", max_steps=2)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert math.isfinite(metrics["train_loss"]) and math.isfinite(metrics["val_loss"])
+    assert model.fc1.weight.dtype == torch.float32
+
+
+def test_max_time_stops_early_and_counts_time_spent_before_resume(tmp_path):
+    slow = CountingTokens(delay_s=0.02)
+    _, metrics = train(tmp_path, slow, max_steps=1000, max_time=0.15)
+    assert metrics["stopped_by"] == "max_time" and 1 <= metrics["step"] < 1000
+    assert metrics["elapsed_s"] >= 0.15
+    _, again = train(tmp_path, slow, resume=True, max_steps=1000, max_time=0.15)
+    assert again["step"] == metrics["step"]
+    _, longer = train(tmp_path, slow, resume=True, max_steps=metrics["step"] + 2, max_time=100.0)
+    assert longer["step"] == metrics["step"] + 2 and longer["stopped_by"] == "max_steps"
+
+
+def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):
+    _, metrics = train(tmp_path, max_steps=40, eval_interval=10, log_interval=5, lr=3e-2, save_interval=20)
+    val = read_metrics(tmp_path, "val_loss")
+    assert [step for step, _ in val] == [10, 20, 30, 40]
+    assert metrics["val_loss"] < 0.5 * math.log(VOCAB)
+    assert metrics["best_val_loss"] == min(loss for _, loss in val)
+    assert [step for step, _ in read_metrics(tmp_path, "train_loss")] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert metrics["tokens_per_s"] > 0 and metrics["elapsed_s"] > 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last, best = load_checkpoint(tmp_path / "last"), load_checkpoint(tmp_path / "best")
+    assert last.trainer_state["step"] == 40 and last.has_optimizer_state
+    assert best.trainer_state["val_loss"] == metrics["best_val_loss"] and not best.has_optimizer_state
+    assert last.family == "tiny-lm" and last.model_config == TinyConfig().to_dict()
+    assert last.train_config == small_config(max_steps=40, eval_interval=10, log_interval=5, lr=3e-2,
+                                             save_interval=20).to_dict()
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    train(tmp_path, max_steps=1)
+    other = TinyLM(TinyConfig(d_ff=32))
+    with pytest.raises(CheckpointError, match="same model"):
+        Trainer(other, CountingTokens(), small_config(), tmp_path, resume=True, progress=False)
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path, resume=True, progress=False)
