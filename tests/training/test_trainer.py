@@ -74,7 +74,8 @@ class CountingTokens:
 
 def small_config(**overrides) -> TrainConfig:
     values = dict(max_steps=8, batch_size=4, grad_accum_steps=2, lr=1e-2, min_lr=1e-3, warmup_steps=2,
-                  eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7)
+                  eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7,
+                  dtype="float32")  # not "auto": the same arithmetic on every machine
     return TrainConfig(**{**values, **overrides})
 
 

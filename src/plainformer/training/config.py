@@ -12,7 +12,8 @@ from ..config import Config
 SCHEDULES = ("cosine", "constant", "inverse_sqrt")
 
 
-DTYPES = ("float32", "bfloat16")
+# "auto": bfloat16 where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py).
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _check_non_negative_int(name: str, value: object) -> None:
@@ -38,7 +39,8 @@ class TrainConfig(Config):
     in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
     (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
     training early and gracefully. A micro-batch holds `batch_size` rows; an optimizer step
-    `batch_size * grad_accum_steps`."""
+    `batch_size * grad_accum_steps`. `dtype` "auto"
+    is bfloat16 autocast where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py)."""
 
     max_steps: int = 2000
     batch_size: int = 12
@@ -59,7 +61,7 @@ class TrainConfig(Config):
     eval_batch_size: int | None = None
     log_interval: int = 10
     save_interval: int = 250
-    dtype: str = "float32"
+    dtype: str = "auto"
     seed: int = 1337
     max_time: float | None = None
     compile: bool = False

@@ -36,6 +36,7 @@ from ..io.checkpoint import (
 from .config import TrainConfig
 from .optim import lr_at, make_optimizer
 from .plots import plot_loss_curve
+from .precision import resolve_dtype
 
 
 class TrainingInterrupted(Exception):
@@ -126,6 +127,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.progress = progress
         self.device = next(model.parameters()).device
+        # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
+        dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
+        self.config = config = config.replace(dtype=dtype)
         self.optimizer = make_optimizer(model, config)
         self._forward = torch.compile(model) if config.compile else model
         self.step = 0
@@ -228,11 +232,13 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
-        tokens_per_s (input tokens per second of training steps), elapsed_s and stopped_by.
+        dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
+        and stopped_by.
         Raises TrainingInterrupted after Ctrl-C, with `last/` saved."""
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_rng()
+        print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
         _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
@@ -269,7 +275,7 @@ class Trainer:
                 self._save_last()
         plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
-                "best_val_loss": self.best_val_loss,
+                "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
 
     def _elapsed(self) -> float:
