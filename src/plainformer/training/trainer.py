@@ -34,7 +34,7 @@ from ..io.checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .optim import lr_at, make_optimizer
+from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
 from .precision import resolve_dtype
 
@@ -193,9 +193,7 @@ class Trainer:
     def _train_step(self) -> tuple[Tensor, int, Tensor | None]:
         """One optimizer update over grad_accum_steps micro-batches -> (mean loss, input tokens, grad norm)."""
         cfg = self.config
-        lr = lr_at(self.step + 1, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr_at(self.step + 1, cfg))
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for _ in range(cfg.grad_accum_steps):
