@@ -76,7 +76,9 @@ class _InterruptRequest:
 
 
 class _Stopwatch:
-    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing."""
+    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
+    across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
+    so the device is not drained after every step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -84,7 +86,8 @@ class _Stopwatch:
         self._since: float | None = None
 
     def start(self) -> None:
-        self._since = time.perf_counter()
+        if self._since is None:
+            self._since = time.perf_counter()
 
     def stop(self) -> None:
         if self._since is not None:
@@ -252,7 +255,8 @@ class Trainer:
                     break
                 watch.start()
                 loss, tokens, grad_norm = self._train_step()
-                watch.stop()
+                if self._pauses_after_step() or interrupt.requested or not window.total_tokens:
+                    watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
                 if self.step % cfg.log_interval == 0 or interrupt.requested:
@@ -265,6 +269,7 @@ class Trainer:
                     bar.close()
                     plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
                     raise TrainingInterrupted(self.step, self.out_dir / "last")
+            watch.stop()
             if window.steps:
                 self._log_train(window, watch.total, grad_norm, bar)
             if evaluated != self.step:
@@ -275,6 +280,13 @@ class Trainer:
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
+
+    def _pauses_after_step(self) -> bool:
+        """Whether the loop logs, evaluates or saves after the step just taken."""
+        cfg, step = self.config, self.step
+        return (step % cfg.log_interval == 0
+                or bool(cfg.eval_interval and step % cfg.eval_interval == 0)
+                or bool(cfg.save_interval and step % cfg.save_interval == 0))
 
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""
