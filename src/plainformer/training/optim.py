@@ -8,10 +8,11 @@ One optimizer update t = 1, 2, ... (with G = grad_accum_steps micro-batches of l
 With optimizer "muon" the blocks' matrices (the 2-D weights of nn.Linear modules inside an nn.ModuleList:
 attention and feed-forward projections) take Muon instead (Jordan et al. 2024, `torch.optim.Muon`):
 
-    B_t = μ B_{t-1} + g_t,   O_t = NewtonSchulz5(g_t + μ B_t) ≈ U Vᵀ,   θ_t = (1 − η_t λ) θ_{t-1} − η_t √max(1, A/B) O_t
+    B_t = μ B_{t-1} + (1 − μ) g_t,   O_t = NewtonSchulz5((1 − μ) g_t + μ B_t) ≈ U Vᵀ   (Nesterov, μ = 0.95)
+    θ_t = (1 − η_t λ) θ_{t-1} − η_t √max(1, A/B) O_t                              (θ: A × B, λ = weight_decay)
 
 at η_t = lr_t · muon_lr / lr (the same schedule, peak muon_lr); embeddings, the output head, norms and
-biases stay with AdamW, as in the modded-nanoGPT speedruns.
+biases stay with AdamW, as in the modded-nanoGPT speedruns. torch runs Newton–Schulz in bfloat16.
 
 Schedules (W = warmup_steps, T = decay_steps or max_steps):
 
