@@ -74,7 +74,8 @@ class CountingTokens:
 
 def small_config(**overrides) -> TrainConfig:
     values = dict(max_steps=8, batch_size=4, grad_accum_steps=2, lr=1e-2, min_lr=1e-3, warmup_steps=2,
-                  eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7)
+                  eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7,
+                  dtype="float32")  # not "auto": the same arithmetic on every machine
     return TrainConfig(**{**values, **overrides})
 
 
@@ -250,3 +251,22 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path, resume=True, progress=False)
+
+
+def test_the_step_clock_stops_only_before_logging_evaluating_or_saving(tmp_path, monkeypatch):
+    # Each stop synchronises a CUDA device; between log lines the steps run back to back.
+    from plainformer.training import trainer as trainer_module
+    stopped_at, stop = [], trainer_module._Stopwatch.stop
+
+    def counting_stop(watch):
+        if watch._since is not None:
+            stopped_at.append(current.step)
+        stop(watch)
+
+    monkeypatch.setattr(trainer_module._Stopwatch, "stop", counting_stop)
+    current = Trainer(fresh_model(), CountingTokens(), small_config(max_steps=12, log_interval=4,
+                                                                   eval_interval=6, save_interval=0),
+                      tmp_path, progress=False)
+    metrics = current.fit()
+    assert stopped_at == [1, 4, 6, 8, 12]
+    assert metrics["tokens_per_s"] > 0

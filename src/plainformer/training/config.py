@@ -12,7 +12,9 @@ from ..config import Config
 SCHEDULES = ("cosine", "constant", "inverse_sqrt")
 
 
-DTYPES = ("float32", "bfloat16")
+# "auto": bfloat16 where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py).
+DTYPES = ("auto", "float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _check_non_negative_int(name: str, value: object) -> None:
@@ -38,7 +40,9 @@ class TrainConfig(Config):
     in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
     (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
     training early and gracefully. A micro-batch holds `batch_size` rows; an optimizer step
-    `batch_size * grad_accum_steps`."""
+    `batch_size * grad_accum_steps`. `optimizer` "muon" trains the blocks' matrices with Muon at peak
+    rate `muon_lr` (same schedule) and everything else with AdamW (training/optim.py). `dtype` "auto"
+    is bfloat16 autocast where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py)."""
 
     max_steps: int = 2000
     batch_size: int = 12
@@ -50,6 +54,8 @@ class TrainConfig(Config):
     decay_steps: int | None = None
     schedule_d_model: int | None = None
     weight_decay: float = 0.1
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
@@ -59,7 +65,7 @@ class TrainConfig(Config):
     eval_batch_size: int | None = None
     log_interval: int = 10
     save_interval: int = 250
-    dtype: str = "float32"
+    dtype: str = "auto"
     seed: int = 1337
     max_time: float | None = None
     compile: bool = False
@@ -93,12 +99,14 @@ class TrainConfig(Config):
                 _checks.check_positive_int(name, getattr(self, name))
         _check_number("lr", self.lr, positive=True)
         _check_number("eps", self.eps, positive=True)
+        _check_number("muon_lr", self.muon_lr, positive=True)
         for name in ("min_lr", "weight_decay", "grad_clip"):
             _check_number(name, getattr(self, name), positive=False)
         _checks.check_probability("beta1", self.beta1)
         _checks.check_probability("beta2", self.beta2)
         _checks.check_choice("schedule", self.schedule, SCHEDULES)
         _checks.check_choice("dtype", self.dtype, DTYPES)
+        _checks.check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.max_time is not None:
             _check_number("max_time", self.max_time, positive=True)
         if not isinstance(self.compile, bool):

@@ -34,8 +34,9 @@ from ..io.checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .optim import lr_at, make_optimizer
+from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
+from .precision import resolve_dtype
 
 
 class TrainingInterrupted(Exception):
@@ -75,7 +76,9 @@ class _InterruptRequest:
 
 
 class _Stopwatch:
-    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing."""
+    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
+    across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
+    so the device is not drained after every step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -83,7 +86,8 @@ class _Stopwatch:
         self._since: float | None = None
 
     def start(self) -> None:
-        self._since = time.perf_counter()
+        if self._since is None:
+            self._since = time.perf_counter()
 
     def stop(self) -> None:
         if self._since is not None:
@@ -126,6 +130,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.progress = progress
         self.device = next(model.parameters()).device
+        # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
+        dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
+        self.config = config = config.replace(dtype=dtype)
         self.optimizer = make_optimizer(model, config)
         self._forward = torch.compile(model) if config.compile else model
         self.step = 0
@@ -189,9 +196,7 @@ class Trainer:
     def _train_step(self) -> tuple[Tensor, int, Tensor | None]:
         """One optimizer update over grad_accum_steps micro-batches -> (mean loss, input tokens, grad norm)."""
         cfg = self.config
-        lr = lr_at(self.step + 1, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr_at(self.step + 1, cfg))
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for _ in range(cfg.grad_accum_steps):
@@ -228,11 +233,13 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
-        tokens_per_s (input tokens per second of training steps), elapsed_s and stopped_by.
+        dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
+        and stopped_by.
         Raises TrainingInterrupted after Ctrl-C, with `last/` saved."""
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_rng()
+        print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
         _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
@@ -248,7 +255,8 @@ class Trainer:
                     break
                 watch.start()
                 loss, tokens, grad_norm = self._train_step()
-                watch.stop()
+                if self._pauses_after_step() or interrupt.requested or not window.total_tokens:
+                    watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
                 if self.step % cfg.log_interval == 0 or interrupt.requested:
@@ -261,6 +269,7 @@ class Trainer:
                     bar.close()
                     plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
                     raise TrainingInterrupted(self.step, self.out_dir / "last")
+            watch.stop()
             if window.steps:
                 self._log_train(window, watch.total, grad_norm, bar)
             if evaluated != self.step:
@@ -269,8 +278,15 @@ class Trainer:
                 self._save_last()
         plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
-                "best_val_loss": self.best_val_loss,
+                "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
+
+    def _pauses_after_step(self) -> bool:
+        """Whether the loop logs, evaluates or saves after the step just taken."""
+        cfg, step = self.config, self.step
+        return (step % cfg.log_interval == 0
+                or bool(cfg.eval_interval and step % cfg.eval_interval == 0)
+                or bool(cfg.save_interval and step % cfg.save_interval == 0))
 
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""

@@ -1,0 +1,133 @@
+"""Learning per second on the `default` shape: variants of the default recipe at equal wall time (issue 12).
+
+    python benchmarks/ablate_default.py [--budget-s 300] [--variants default muon ...] [--list]
+
+Each variant is the GPT `default` preset (model shape and training recipe) with a few GPTConfig or
+TrainConfig fields changed. Variants run one at a time, on the bundled Shakespeare characters, each
+for the same wall-time budget: a short calibration run first measures the variant's steps per second,
+then the real run gets max_steps = budget x steps/s (so that its cosine schedule ends at the budget) and
+max_time = budget as a hard stop. Evaluation and saving happen only at the end (eval_interval 0), on
+the recipe's fixed validation batches. Calibration and that final evaluation are not in the budget.
+The figure of merit is the validation loss at the end (lower is better); tokens/s is the trainer's.
+Every run starts from the same seed. Output: a table, then one JSON line.
+A variant naming a field the configs do not have (e.g. a feature not built yet) is reported, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import plainformer as pf
+from plainformer.training.config import TrainConfig
+
+# name -> (GPTConfig changes, TrainConfig changes), all relative to the `default` preset.
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "default": ({}, {}),
+    "muon": ({}, dict(optimizer="muon")),
+    "muon lr 0.05": ({}, dict(optimizer="muon", muon_lr=0.05)),
+    "muon lr 0.01": ({}, dict(optimizer="muon", muon_lr=0.01)),
+    "lr 1e-3": ({}, dict(lr=1e-3)),
+    "lr 4e-3": ({}, dict(lr=4e-3)),
+    "batch 8": ({}, dict(batch_size=8)),
+    "batch 32": ({}, dict(batch_size=32)),
+    "narrow deep 6x192": (dict(n_layers=6, n_heads=4, d_model=192, d_ff=512), {}),
+    "wide shallow 3x320": (dict(n_layers=3, n_heads=5, d_model=320, d_ff=864), {}),
+    "block 64": (dict(block_size=64), {}),
+    "block 256": (dict(block_size=256), {}),
+    "untied head": (dict(tie_weights=False), {}),
+    "qk-norm": (dict(qk_norm=True), {}),
+    "lr floor 4e-4": ({}, dict(min_lr=4e-4)),
+    "float32": ({}, dict(dtype="float32")),
+    "bfloat16": ({}, dict(dtype="bfloat16")),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=300.0, help="wall-time budget per variant")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--calibration-steps", type=int, default=10,
+                        help="steps of the run that measures each variant's speed")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--list", action="store_true", help="print the variants and exit")
+    args = parser.parse_args(argv)
+    if not args.budget_s > 0 or args.calibration_steps < 2:
+        parser.error("--budget-s must be > 0 and --calibration-steps >= 2")
+    return args
+
+
+def missing_fields(changes: dict[str, Any], config_cls: type) -> list[str]:
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return sorted(set(changes) - names)
+
+
+def train(model_config: pf.GPTConfig, train_config: TrainConfig, data: pf.LMData, out_dir: Path) -> dict:
+    source = pf.LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
+                              seed=train_config.seed)
+    torch.manual_seed(train_config.seed)
+    model = pf.GPT(model_config)
+    metrics = pf.Trainer(model, source, train_config, out_dir, tokenizer=data.tokenizer, progress=False).fit()
+    return {**metrics, "parameters": model.num_parameters()}
+
+
+def run_variant(name: str, data: pf.LMData, budget_s: float, calibration_steps: int, tmp: Path) -> dict:
+    model_changes, train_changes = VARIANTS[name]
+    row: dict[str, Any] = {"variant": name, "changes": {**model_changes, **train_changes}}
+    missing = missing_fields(model_changes, pf.GPTConfig) + missing_fields(train_changes, TrainConfig)
+    if missing:
+        return {**row, "skipped": f"no field {', '.join(missing)}"}
+    model_config = pf.GPTConfig.from_preset("default", vocab_size=data.tokenizer.vocab_size, **model_changes)
+    recipe = TrainConfig.from_preset("default").replace(eval_interval=0, save_interval=0, **train_changes)
+    calibration = train(model_config, recipe.replace(max_steps=calibration_steps, eval_batches=1),
+                        data, tmp / f"{name}-calibration")
+    tokens_per_step = recipe.batch_size * recipe.grad_accum_steps * model_config.block_size
+    max_steps = max(1, int(budget_s * calibration["tokens_per_s"] / tokens_per_step))
+    start = time.perf_counter()
+    metrics = train(model_config, recipe.replace(max_steps=max_steps, max_time=budget_s), data, tmp / name)
+    return {**row, "planned_steps": max_steps, "steps": metrics["step"], "tokens_per_s": metrics["tokens_per_s"],
+            "val_loss": metrics["val_loss"], "train_loss": metrics["train_loss"], "dtype": metrics["dtype"],
+            "stopped_by": metrics["stopped_by"], "parameters": metrics["parameters"],
+            "wall_s": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.list:
+        for name, (model_changes, train_changes) in VARIANTS.items():
+            print(f"{name:<20} {json.dumps({**model_changes, **train_changes})}")
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = pf.prepare_lm_data(None, tokenizer="char")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.variants:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows.append(run_variant(name, data, args.budget_s, args.calibration_steps, Path(tmp)))
+    print(f"default preset on Shakespeare characters, {args.budget_s:g} s of training per variant, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    header = f"{'variant':<20} {'steps':>6} {'tokens/s':>9} {'val loss':>9} {'dtype':>9} {'stopped by':>11}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if "skipped" in row:
+            print(f"{row['variant']:<20} skipped: {row['skipped']}")
+            continue
+        print(f"{row['variant']:<20} {row['steps']:>6} {row['tokens_per_s']:>9,.0f} {row['val_loss']:>9.4f} "
+              f"{row['dtype']:>9} {row['stopped_by']:>11}")
+    print("val loss at equal wall time (lower is better)")
+    print(json.dumps({"benchmark": "ablate_default", "budget_s": args.budget_s,
+                      "threads": torch.get_num_threads(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Tests for plainformer.training.precision: dtype "auto" resolves by what the hardware multiplies fast,
+and the trainer records the resolved dtype in its log, checkpoint and metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plainformer.io.checkpoint import load_checkpoint
+from plainformer.training import precision
+from plainformer.training.config import TrainConfig
+from plainformer.training.precision import resolve_dtype
+from plainformer.training.trainer import Trainer
+from tests.training.test_trainer import CountingTokens, fresh_model, small_config
+
+
+@pytest.fixture
+def amx(monkeypatch):
+    """Set what the AMX probe reports: amx(True) or amx(False)."""
+    return lambda present: monkeypatch.setattr(precision, "cpu_has_amx", lambda: present)
+
+
+def test_auto_is_float32_on_a_cpu_without_amx(amx):
+    amx(False)
+    assert resolve_dtype("auto", torch.device("cpu")) == ("float32", "no AMX on this CPU")
+
+
+def test_auto_is_bfloat16_on_a_cpu_with_amx(amx):
+    amx(True)
+    assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")
+
+
+@pytest.mark.parametrize("present", [True, False])
+@pytest.mark.parametrize("forced", ["float32", "bfloat16"])
+def test_an_explicit_dtype_wins_over_the_probe(amx, present, forced):
+    amx(present)
+    assert resolve_dtype(forced, "cpu") == (forced, "as configured")
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_cuda_follows_native_bf16_support(monkeypatch, native, expected):
+    monkeypatch.setattr(precision, "cuda_has_bf16", lambda device: native)
+    assert resolve_dtype("auto", "cuda:0")[0] == expected
+
+
+def test_auto_is_the_default_dtype():
+    assert TrainConfig().dtype == "auto"
+
+
+@pytest.mark.parametrize("present, expected", [(False, "float32"), (True, "bfloat16")])
+def test_trainer_logs_checkpoints_and_reports_the_resolved_dtype(tmp_path, amx, capsys, present, expected):
+    amx(present)
+    model = fresh_model()
+    seen = []
+    model.fc1.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    trainer = Trainer(model, CountingTokens(), small_config(dtype="auto", max_steps=2), tmp_path,
+                      progress=False)
+    metrics = trainer.fit()
+
+    assert set(seen) == {getattr(torch, expected)}
+    assert metrics["dtype"] == expected
+    reason = "AMX on this CPU" if present else "no AMX on this CPU"
+    assert capsys.readouterr().err.count(f"dtype: {expected} ({reason})") == 1
+    for name in ("last", "best"):
+        assert load_checkpoint(tmp_path / name).train_config["dtype"] == expected
+    assert json.loads((tmp_path / "last" / "config.json").read_text())["train"]["dtype"] == expected
