@@ -14,6 +14,8 @@ SCHEDULES = ("cosine", "constant", "inverse_sqrt")
 
 DTYPES = ("float32", "bfloat16")
 
+PARALLEL = ("auto", "ddp", "fsdp", "none")  # see training/distributed.py
+
 
 def _check_non_negative_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -37,8 +39,9 @@ class TrainConfig(Config):
     (both still happen at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor
     in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
     (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
-    training early and gracefully. A micro-batch holds `batch_size` rows; an optimizer step
-    `batch_size * grad_accum_steps`."""
+    training early and gracefully. A micro-batch holds `batch_size` rows per process; an optimizer
+    step `batch_size * grad_accum_steps * world_size`. `parallel` picks DDP or FSDP2 under torchrun
+    ("auto": DDP when there is more than one process)."""
 
     max_steps: int = 2000
     batch_size: int = 12
@@ -63,6 +66,7 @@ class TrainConfig(Config):
     seed: int = 1337
     max_time: float | None = None
     compile: bool = False
+    parallel: str = "auto"
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's config/train_shakespeare_char.py as run on a CPU.
@@ -99,6 +103,7 @@ class TrainConfig(Config):
         _checks.check_probability("beta2", self.beta2)
         _checks.check_choice("schedule", self.schedule, SCHEDULES)
         _checks.check_choice("dtype", self.dtype, DTYPES)
+        _checks.check_choice("parallel", self.parallel, PARALLEL)
         if self.max_time is not None:
             _check_number("max_time", self.max_time, positive=True)
         if not isinstance(self.compile, bool):
