@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -182,40 +183,46 @@ def test_only_rank_zero_writes_files(runs):
 # ----------------------------------------------------------------------------- faults
 
 
-class _DyingSource(LMBatchSource):
-    """Rank 1 dies abruptly (no cleanup, like a killed process) when it reads training batch 2."""
+class _FailingSource(LMBatchSource):
+    """Rank 1 dies abruptly (no cleanup, like a killed process) or hangs when it reads training batch 2."""
+
+    fault = "dies"
 
     def get_batch(self, split, index, batch_size):
         if split == "train" and index == 2 and os.environ["RANK"] == "1":
-            os._exit(7)
+            if self.fault == "dies":
+                os._exit(7)
+            time.sleep(600)
         return super().get_batch(split, index, batch_size)
 
 
-def _dying_worker(rank: int, port: int, root: str) -> None:
+def _failing_worker(rank: int, port: int, root: str, fault: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PLAINFORMER_DIST_TIMEOUT="20")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PLAINFORMER_DIST_TIMEOUT="10")
     torch.set_num_threads(1)
     source = _source()
-    source.__class__ = _DyingSource
+    source.__class__ = _FailingSource
+    source.fault = fault
     Trainer(_tiny_gpt(), source, _config(max_steps=100), root, progress=False).fit()
 
 
-def test_a_killed_rank_ends_the_job_with_an_error_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_failed_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path, fault):
     context = multiprocessing.get_context("spawn")
     port = _free_port()
-    ranks = [context.Process(target=_dying_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    start = time.monotonic()
+    ranks = [context.Process(target=_failing_worker, args=(r, port, str(tmp_path), fault))
+             for r in range(WORLD)]
     for process in ranks:
         process.start()
+    ranks[0].join(timeout=90)  # start-up, two steps, then at most the 10 s timeout
+    survivor_alive = ranks[0].is_alive()
     for process in ranks:
-        process.join(timeout=90)
-    alive = [p.pid for p in ranks if p.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-    assert not alive, f"ranks {alive} still running {time.monotonic() - start:.0f} s after the start"
-    assert ranks[1].exitcode == 7
+        process.kill()
+        process.join()
+    assert not survivor_alive, "rank 0 still waits for the failed rank"
     assert ranks[0].exitcode not in (0, None)
+    if fault == "dies":
+        assert ranks[1].exitcode == 7
 
 
 # ----------------------------------------------------------------------------- the launch
@@ -270,3 +277,31 @@ def test_torchrun_trains_through_the_command_line(tmp_path):
     assert json.loads(result.stdout.splitlines()[-1])["step"] == 2
     state = load_checkpoint(out / "last").trainer_state
     assert state["world_size"] == 2 and state["data_position"] == 2
+
+
+def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "PLAINFORMER_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--max-steps", "100000", "--batch-size", "2", "--block-size", "16",
+            "--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--eval-batches", "1",
+            "--dtype", "float32", "--no-progress", "--log-interval", "1", "--save-interval", "0",
+            "--eval-interval", "0"]
+    code = f"from plainformer.training.distributed import run_torchrun; raise SystemExit(run_torchrun(2, {argv!r}))"
+    # Its own process group stands for the terminal's foreground group that Ctrl-C signals.
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, stderr[-3000:]
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["interrupted"] and load_checkpoint(out / "last").trainer_state["step"] == report["step"]
+    assert [p.name for p in out.iterdir() if "last" in p.name] == ["last"]

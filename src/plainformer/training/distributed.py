@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Iterator, Mapping, Sequence
@@ -318,6 +319,22 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
 
 
 def run_torchrun(nproc: int, argv: Sequence[str]) -> int:
-    """Start torchrun's launcher for `plainformer ARGV` on `nproc` local processes; its exit status
-    (non-zero when any rank failed). Ctrl-C reaches every rank through the terminal."""
-    return subprocess.call(torchrun_command(nproc, argv))
+    """Run `plainformer ARGV` on `nproc` local processes under torchrun's launcher; its exit status
+    (non-zero when a rank failed), or 130 after Ctrl-C.
+
+    Ctrl-C in the terminal reaches torchrun, which passes one SIGINT to each rank (they run in
+    sessions of their own): the ranks finish the step, save last/ once and exit 130. Meanwhile this
+    process only waits, so that the launcher is never killed under its ranks."""
+    command = torchrun_command(nproc, argv)
+    interrupted = False
+
+    def note(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, note)  # a Python handler is not inherited by exec
+    try:
+        status = subprocess.Popen(command).wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130 if interrupted else status
