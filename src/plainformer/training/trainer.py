@@ -131,7 +131,7 @@ class Trainer:
         self.model_config = json.loads(json.dumps(
             model_config.to_dict() if isinstance(model_config, Config) else dict(model_config)))
         self.tokenizer = tokenizer
-        self.progress_requested = progress
+        self.progress = progress
         self._group = contextlib.ExitStack()
         try:
             self._group.enter_context(process_group())
@@ -142,7 +142,6 @@ class Trainer:
             raise
 
     def _setup(self, model: nn.Module, config: TrainConfig, resume: bool) -> None:
-        self.progress = self.progress_requested and self.dist.is_main
         self._wrapped = self.dist.wrap(model)
         self.device = next(model.parameters()).device
         self.optimizer = make_optimizer(model, config)
@@ -274,7 +273,7 @@ class Trainer:
         stopped_by, grad_norm = "max_steps", None
         log_path = self.metrics_path if self.dist.is_main else os.devnull
         with _InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
-                tqdm(total=cfg.max_steps, initial=self.step, disable=not self.progress,
+                tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
             while self.step < cfg.max_steps:
                 if cfg.max_time is not None and self.dist.any(self._elapsed() >= cfg.max_time):
