@@ -121,6 +121,32 @@ def test_rng_states_are_restored_for_torch_python_and_numpy(tmp_path):
     assert draw() == expected
 
 
+
+def test_every_ranks_rng_state_is_restored_by_rank(tmp_path):
+    net, optimizer = trained_net()
+    states, expected = [], []
+    for seed in (5, 6):  # two ranks' streams
+        torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
+        states.append(checkpoint.capture_rng_state())
+        expected.append((torch.randn(3).tolist(), random.random(), np.random.randn()))
+    save_checkpoint(tmp_path / "ckpt", model=net.state_dict(), family="tied-net", model_config={},
+                    optimizer=optimizer.state_dict(), trainer_state={"step": 0}, rng_states=states)
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert loaded.rng_ranks == 2
+    for rank in (1, 0):
+        loaded.restore_rng_state(rank)
+        assert (torch.randn(3).tolist(), random.random(), np.random.randn()) == expected[rank]
+    with pytest.raises(CheckpointError, match="RNG states of 2 ranks, not of rank 2"):
+        loaded.restore_rng_state(2)
+    restored = TiedNet()
+    loaded.restore_model(restored)  # state dicts saved in place of the modules load the same way
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor), name
+    restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    loaded.restore_optimizer(restored_optimizer)
+    for mine, theirs in zip(restored_optimizer.state.values(), optimizer.state.values()):
+        assert torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
+
 def test_tokenizer_travels_with_the_checkpoint(tmp_path):
     net, _ = trained_net()
     tokenizer = CharTokenizer("to be or not to be")

@@ -7,7 +7,8 @@
       optimizer.safetensors   optimizer state tensors, keyed "state.{param_index}.{name}"
       optimizer.json          the optimizer's param_groups (hyperparameters) and non-tensor state
       trainer_state.json      step, data position, best val loss, ...; Python and numpy RNG states
-      rng_state.safetensors   torch RNG states as uint8 tensors ("torch_cpu", "torch_cuda_{i}")
+      rng_state.safetensors   torch RNG states as uint8 tensors ("torch_cpu", "torch_cuda_{i}";
+                              "rank{r}.torch_cpu", ... for the other ranks of a distributed run)
       manifest.json           sha256 and size of every other file, written last
 
 A checkpoint is built in a temporary sibling directory, fsynced, and renamed into place. An existing
@@ -28,7 +29,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -56,19 +57,22 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- saving
 
-def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, family: str,
+def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[str, Tensor], family: str,
                     model_config: Mapping[str, Any], train_config: Mapping[str, Any] | None = None,
-                    tokenizer: Any = None, optimizer: torch.optim.Optimizer | None = None,
-                    trainer_state: Mapping[str, Any] | None = None) -> Path:
+                    tokenizer: Any = None, optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
+                    trainer_state: Mapping[str, Any] | None = None,
+                    rng_states: Sequence[tuple[dict[str, Tensor], dict[str, Any]]] | None = None) -> Path:
     """Write a checkpoint of `model` (and optionally its tokenizer, optimizer and trainer state) to
     `directory` atomically; returns the directory.
 
     `trainer_state` is any JSON-serialisable mapping (the trainer stores step, data_position,
     best_val_loss, ...); when it is given, the current torch, Python `random` and numpy RNG states are
     saved with it, so that `Checkpoint.restore_rng_state()` continues the random streams exactly.
+    A distributed run passes its full state dicts as `model` / `optimizer` and every rank's
+    `capture_rng_state()` as `rng_states` (rank 0 first).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(model, (nn.Module, Mapping)):
+        raise TypeError(f"model must be a torch.nn.Module or a state dict, got {type(model).__name__}")
     if not isinstance(family, str) or not family:
         raise ValueError(f"family must be a non-empty string such as 'gpt', got {family!r}")
     target = Path(directory)
@@ -78,7 +82,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, family: s
     try:
         _write_contents(tmp, model=model, family=family, model_config=model_config,
                         train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
-                        trainer_state=trainer_state)
+                        trainer_state=trainer_state, rng_states=rng_states)
         _write_manifest(tmp)
         _fsync_tree(tmp)
         _swap_into_place(tmp, target)
@@ -89,7 +93,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, family: s
 
 
 def _write_contents(tmp: Path, *, model, family, model_config, train_config, tokenizer, optimizer,
-                    trainer_state) -> None:
+                    trainer_state, rng_states) -> None:
     if tokenizer is not None:
         # First, so that a tokenizer writing a file of ours (config.json, ...) is caught, not overwritten.
         tokenizer.save(tmp)
@@ -99,16 +103,20 @@ def _write_contents(tmp: Path, *, model, family, model_config, train_config, tok
                              "format reserves for itself")
     _write_json(tmp / CONFIG, {"format_version": FORMAT_VERSION, "family": family,
                                "model": dict(model_config), "train": dict(train_config or {})})
-    tensors, aliases = _dedupe_shared(model.state_dict())
+    tensors, aliases = _dedupe_shared(model.state_dict() if isinstance(model, nn.Module) else model)
     save_file(tensors, tmp / MODEL, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
     if optimizer is not None:
-        tensors, meta = _flatten_optimizer_state(optimizer.state_dict())
+        tensors, meta = _flatten_optimizer_state(optimizer if isinstance(optimizer, Mapping)
+                                                 else optimizer.state_dict())
         save_file(tensors, tmp / OPTIMIZER)
         _write_json(tmp / OPTIMIZER_META, meta)
     if trainer_state is not None:
-        rng_tensors, rng_json = _capture_rng_state()
+        (rng_tensors, rng_json), *others = rng_states or [capture_rng_state()]
+        for rank, (other_tensors, _) in enumerate(others, start=1):
+            rng_tensors.update({f"rank{rank}.{name}": t for name, t in other_tensors.items()})
+        extra = {"rng_other_ranks": [other_json for _, other_json in others]} if others else {}
         save_file(rng_tensors, tmp / RNG_STATE)
-        _write_json(tmp / TRAINER_STATE, {**dict(trainer_state), "rng": rng_json})
+        _write_json(tmp / TRAINER_STATE, {**dict(trainer_state), "rng": rng_json, **extra})
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -157,11 +165,13 @@ def _flatten_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, Tensor
     return tensors, {"param_groups": state["param_groups"], "scalar_state": scalars}
 
 
-def _capture_rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+def capture_rng_state(cuda_devices: Sequence[int] | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This process's torch (CPU, and CUDA `cuda_devices`, default all once initialised), Python and
+    numpy RNG states, as (uint8 tensors, JSON)."""
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
+        for i in range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices:
+            tensors[f"torch_cuda_{i}"] = torch.cuda.get_rng_state(i)
     version, internal, gauss_next = random.getstate()
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return tensors, {"python": [version, list(internal), gauss_next],
@@ -247,6 +257,11 @@ class Checkpoint:
 
     def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Load state and hyperparameters into an optimizer built over the same parameters."""
+        optimizer.load_state_dict(self.optimizer_state_dict(optimizer))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The saved optimizer state in `optimizer.state_dict()` layout, checked against `optimizer`
+        (built over the same parameters)."""
         if not self.has_optimizer_state:
             raise CheckpointError(f"{self.path} holds no optimizer state ({OPTIMIZER} is missing)")
         tensors = _read_safetensors(self.path / OPTIMIZER)
@@ -270,19 +285,31 @@ class Checkpoint:
         # JSON turned tuples (betas) into lists; give each value the type the optimizer uses.
         groups = [{k: tuple(v) if isinstance(c.get(k), tuple) else v for k, v in g.items()}
                   for g, c in zip(groups, current)]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return {"state": state, "param_groups": groups}
 
-    def restore_rng_state(self) -> None:
-        """Set the torch, Python `random` and numpy RNGs to where they were when this was saved."""
+    @property
+    def rng_ranks(self) -> int:
+        """How many ranks' RNG states this holds (1 for a single-process run, 0 without any)."""
+        if self.trainer_state is None or "rng" not in self.trainer_state:
+            return 0
+        return 1 + len(self.trainer_state.get("rng_other_ranks", []))
+
+    def restore_rng_state(self, rank: int = 0) -> None:
+        """Set the torch, Python `random` and numpy RNGs to where they were on `rank` when this was saved."""
+        if not 0 <= rank < max(self.rng_ranks, 1):
+            raise CheckpointError(f"{self.path} holds the RNG states of {self.rng_ranks} ranks, not of rank {rank}")
         if self.trainer_state is None or "rng" not in self.trainer_state:
             raise CheckpointError(f"{self.path} holds no RNG state ({TRAINER_STATE} is missing)")
-        tensors = _read_safetensors(self.path / RNG_STATE)
-        rng = self.trainer_state["rng"]
+        prefix = f"rank{rank}." if rank else ""
+        tensors = {name[len(prefix):]: t for name, t in _read_safetensors(self.path / RNG_STATE).items()
+                   if name.startswith(prefix) and (rank or not name.startswith("rank"))}
+        rng = self.trainer_state["rng"] if rank == 0 else self.trainer_state["rng_other_ranks"][rank - 1]
         try:
             torch.set_rng_state(tensors["torch_cpu"])
-            cuda = [tensors[f"torch_cuda_{i}"] for i in range(len(tensors) - 1)]
-            if cuda and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+            cuda = {int(name.rsplit("_", 1)[1]): t for name, t in tensors.items() if name.startswith("torch_cuda_")}
+            for device, state in cuda.items():
+                if torch.cuda.is_available() and device < torch.cuda.device_count():
+                    torch.cuda.set_rng_state(state, device)
             version, internal, gauss_next = rng["python"]
             random.setstate((version, tuple(internal), gauss_next))
             name, keys, pos, has_gauss, cached_gaussian = rng["numpy"]

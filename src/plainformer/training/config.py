@@ -16,6 +16,8 @@ SCHEDULES = ("cosine", "constant", "inverse_sqrt")
 DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")
 
+PARALLEL = ("auto", "ddp", "fsdp", "none")  # see training/distributed.py
+
 
 def _check_non_negative_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -39,10 +41,12 @@ class TrainConfig(Config):
     (both still happen at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor
     in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
     (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
-    training early and gracefully. A micro-batch holds `batch_size` rows; an optimizer step
-    `batch_size * grad_accum_steps`. `optimizer` "muon" trains the blocks' matrices with Muon at peak
-    rate `muon_lr` (same schedule) and everything else with AdamW (training/optim.py). `dtype` "auto"
-    is bfloat16 autocast where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py)."""
+    training early and gracefully. A micro-batch holds `batch_size` rows per process; an optimizer
+    step `batch_size * grad_accum_steps * world_size`. `parallel` picks DDP or FSDP2 under torchrun
+    ("auto": DDP when there is more than one process). `optimizer` "muon" trains the blocks' matrices
+    with Muon at peak rate `muon_lr` (same schedule) and everything else with AdamW (training/optim.py).
+    `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast, float32 elsewhere
+    (training/precision.py)."""
 
     max_steps: int = 2000
     batch_size: int = 12
@@ -69,6 +73,7 @@ class TrainConfig(Config):
     seed: int = 1337
     max_time: float | None = None
     compile: bool = False
+    parallel: str = "auto"
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's config/train_shakespeare_char.py as run on a CPU.
@@ -107,6 +112,7 @@ class TrainConfig(Config):
         _checks.check_choice("schedule", self.schedule, SCHEDULES)
         _checks.check_choice("dtype", self.dtype, DTYPES)
         _checks.check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _checks.check_choice("parallel", self.parallel, PARALLEL)
         if self.max_time is not None:
             _check_number("max_time", self.max_time, positive=True)
         if not isinstance(self.compile, bool):

@@ -4,7 +4,8 @@ A model is trainable when `model(**batch)` returns `(logits, loss)`; a batch sou
 `get_batch(split, index, batch_size) -> dict[str, Tensor]`, deterministic in (split, index). The
 trainer draws micro-batch `index` = the global micro-batch counter, so the data position is that one
 integer, and evaluates on the fixed validation batches 0 .. eval_batches-1. The update rule and the
-schedules are in `optim.py`.
+schedules are in `optim.py`. Under torchrun each process reads its rows of the same global batches
+and only rank 0 prints and writes files (`distributed.py`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from ..config import Config
 from ..io.checkpoint import (
     Checkpoint,
     CheckpointError,
+    capture_rng_state,
     load_checkpoint,
     save_checkpoint,
 )
 from .config import TrainConfig
+from .distributed import Distributed, process_group
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
 from .precision import resolve_dtype
@@ -102,8 +105,12 @@ class Trainer:
     `out_dir`. `family` and `model_config` default to `model.family` and `model.config`.
 
     The model's initial weights are the caller's (seed before building it); `fit` seeds the torch,
-    Python and numpy RNGs with `config.seed` for everything after (dropout, ...). With `resume=True`
-    model, optimizer, schedule, step, data position and RNG states come from `out_dir/last`.
+    Python and numpy RNGs with `config.seed` (+ rank) for everything after (dropout, ...). With
+    `resume=True` model, optimizer, schedule, step, data position and RNG states come from
+    `out_dir/last`, which may have been written at another world size.
+
+    Launched by torchrun, the trainer joins the process group (unless the caller already did, with
+    `distributed.process_group()`) and leaves it when `fit` returns or raises.
     """
 
     def __init__(self, model: nn.Module, source: Any, config: TrainConfig, out_dir: str | os.PathLike,
@@ -129,12 +136,23 @@ class Trainer:
             model_config.to_dict() if isinstance(model_config, Config) else dict(model_config)))
         self.tokenizer = tokenizer
         self.progress = progress
+        self._group = contextlib.ExitStack()
+        try:
+            self._group.enter_context(process_group())
+            self.dist = Distributed(config.parallel)
+            self._setup(model, config, resume)
+        except BaseException:
+            self._group.close()
+            raise
+
+    def _setup(self, model: nn.Module, config: TrainConfig, resume: bool) -> None:
+        self._wrapped = self.dist.wrap(model)
         self.device = next(model.parameters()).device
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
         self.config = config = config.replace(dtype=dtype)
         self.optimizer = make_optimizer(model, config)
-        self._forward = torch.compile(model) if config.compile else model
+        self._forward = torch.compile(self._wrapped) if config.compile else self._wrapped
         self.step = 0
         self.data_position = 0
         self.best_val_loss: float | None = None
@@ -166,26 +184,34 @@ class Trainer:
             val_loss, elapsed_before = state["val_loss"], state["elapsed_s"]
         except KeyError as e:
             raise CheckpointError(f"{path / 'trainer_state.json'} lacks {e}") from None
-        ckpt.restore_model(self.model)
-        ckpt.restore_optimizer(self.optimizer)
+        try:
+            self.dist.load_model_state_dict(ckpt.state_dict)
+        except RuntimeError as e:
+            raise CheckpointError(f"{path} does not fit {type(self.model).__name__}: {e}") from None
+        self.dist.load_optimizer_state_dict(self.optimizer, ckpt.optimizer_state_dict(self.optimizer))
         self.step, self.data_position = step, data_position
         self.best_val_loss, self.train_loss, self.val_loss = best_val_loss, train_loss, val_loss
         self._elapsed_before = elapsed_before
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
     def _start_rng(self) -> None:
-        if self._resume_rng_from is not None:
-            self._resume_rng_from.restore_rng_state()
-            self._resume_rng_from = None
-        elif self.step == 0:
-            random.seed(self.config.seed)
-            np.random.seed(self.config.seed)
-            torch.manual_seed(self.config.seed)
+        """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
+        saved = self._resume_rng_from
+        if saved is not None and self.dist.rank < saved.rng_ranks:
+            saved.restore_rng_state(self.dist.rank)
+        elif saved is not None or self.step == 0:
+            seed = self.config.seed + self.dist.rank + self.step
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
+        self._resume_rng_from = None
 
     # ------------------------------------------------------------------------- one step
 
     def _batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
-        batch = self.source.get_batch(split, index, batch_size)
+        """This rank's `batch_size` rows of global batch `index`."""
+        batch = self.source.get_batch(split, index, self.dist.global_batch_size(batch_size))
+        batch = self.dist.rows(batch, batch_size)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _autocast(self):
@@ -199,15 +225,16 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.step + 1, cfg))
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for _ in range(cfg.grad_accum_steps):
+        for micro in range(cfg.grad_accum_steps):
             batch = self._batch("train", self.data_position, cfg.batch_size)
             self.data_position += 1
-            with self._autocast():
-                _, loss = self._forward(**batch)
-            (loss / cfg.grad_accum_steps).backward()
+            with self.dist.gradient_sync(micro == cfg.grad_accum_steps - 1):
+                with self._autocast():
+                    _, loss = self._forward(**batch)
+                (loss / cfg.grad_accum_steps).backward()
             loss_sum += loss.detach().float()
-            tokens += next(iter(batch.values())).numel()
-        grad_norm = (nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            tokens += next(iter(batch.values())).numel() * self.dist.world_size
+        grad_norm = (self.dist.local(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
                      if cfg.grad_clip > 0 else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -227,7 +254,7 @@ class Trainer:
                 losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
         finally:
             self.model.train(was_training)
-        return torch.stack(losses).mean().item()
+        return self.dist.mean(torch.stack(losses).mean()).item()
 
     # ------------------------------------------------------------------------- the loop
 
@@ -236,21 +263,27 @@ class Trainer:
         dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
         and stopped_by.
         Raises TrainingInterrupted after Ctrl-C, with `last/` saved."""
+        with self._group:
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_rng()
-        print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
-        _keep_metrics_until(self.metrics_path, self.step)
+        if self.dist.is_main:
+            print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
+            _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
         watch, window = _Stopwatch(self.device), _LogWindow(self.device)
         evaluated = saved = None  # the steps of this session's latest evaluation and save of last/
         stopped_by, grad_norm = "max_steps", None
-        with _InterruptRequest() as interrupt, open(self.metrics_path, "a") as self._log, \
-                tqdm(total=cfg.max_steps, initial=self.step, disable=not self.progress,
+        log_path = self.metrics_path if self.dist.is_main else os.devnull
+        with _InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
+                tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
             while self.step < cfg.max_steps:
-                if cfg.max_time is not None and self._elapsed() >= cfg.max_time:
+                if cfg.max_time is not None and self.dist.any(self._elapsed() >= cfg.max_time):
                     stopped_by = "max_time"
                     break
                 watch.start()
@@ -259,15 +292,16 @@ class Trainer:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
-                if self.step % cfg.log_interval == 0 or interrupt.requested:
+                interrupted = self.dist.any(interrupt.requested)  # all ranks stop at the same step
+                if self.step % cfg.log_interval == 0 or interrupted:
                     self._log_train(window, watch.total, grad_norm, bar)
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0:
                     evaluated = self._evaluate_and_keep_best()
-                if (cfg.save_interval and self.step % cfg.save_interval == 0) or interrupt.requested:
+                if (cfg.save_interval and self.step % cfg.save_interval == 0) or interrupted:
                     saved = self._save_last()
-                if interrupt.requested:
+                if interrupted:
                     bar.close()
-                    plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+                    self._plot()
                     raise TrainingInterrupted(self.step, self.out_dir / "last")
             watch.stop()
             if window.steps:
@@ -276,7 +310,7 @@ class Trainer:
                 self._evaluate_and_keep_best()
             if saved != self.step:
                 self._save_last()
-        plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        self._plot()
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
@@ -288,6 +322,10 @@ class Trainer:
                 or bool(cfg.eval_interval and step % cfg.eval_interval == 0)
                 or bool(cfg.save_interval and step % cfg.save_interval == 0))
 
+    def _plot(self) -> None:
+        if self.dist.is_main:
+            plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""
         return self._elapsed_before + time.perf_counter() - self._session_start
@@ -298,7 +336,7 @@ class Trainer:
 
     def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
-        self.train_loss, tokens_per_s = window.flush(train_seconds)
+        self.train_loss, tokens_per_s = window.flush(train_seconds, self.dist.mean)
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
@@ -317,14 +355,22 @@ class Trainer:
         self._save("last", with_optimizer=True)
         return self.step
 
-    def _save(self, name: str, *, with_optimizer: bool) -> Path:
-        return save_checkpoint(
-            self.out_dir / name, model=self.model, family=self.family, model_config=self.model_config,
-            train_config=self.config.to_dict(), tokenizer=self.tokenizer,
-            optimizer=self.optimizer if with_optimizer else None,
+    def _save(self, name: str, *, with_optimizer: bool) -> None:
+        """Every rank gathers the full state and its RNG state to rank 0, which writes the checkpoint."""
+        model_state = self.dist.model_state_dict()
+        optimizer_state = self.dist.optimizer_state_dict(self.optimizer) if with_optimizer else None
+        cuda = [self.device.index or 0] if self.device.type == "cuda" and self.dist.world_size > 1 else None
+        rng_states = self.dist.gather(capture_rng_state(cuda))
+        if not self.dist.is_main:
+            return
+        save_checkpoint(
+            self.out_dir / name, model=model_state, family=self.family, model_config=self.model_config,
+            train_config=self.config.to_dict(), tokenizer=self.tokenizer, optimizer=optimizer_state,
             trainer_state={"step": self.step, "data_position": self.data_position,
                            "best_val_loss": self.best_val_loss, "train_loss": self.train_loss,
-                           "val_loss": self.val_loss, "elapsed_s": self._elapsed()})
+                           "val_loss": self.val_loss, "elapsed_s": self._elapsed(),
+                           "world_size": self.dist.world_size},
+            rng_states=rng_states)
 
 
 class _LogWindow:
@@ -355,9 +401,10 @@ class _LogWindow:
             return (self.total_tokens - first_tokens) / (train_seconds - first_seconds)
         return self.total_tokens / max(train_seconds, 1e-9)
 
-    def flush(self, train_seconds: float) -> tuple[float, float]:
-        """-> (mean loss per step, input tokens per training second) since the last flush."""
-        mean_loss = (self.loss / self.steps).item()
+    def flush(self, train_seconds: float, reduce=lambda loss: loss) -> tuple[float, float]:
+        """-> (mean loss per step, `reduce`d: over ranks; input tokens per training second) since
+        the last flush."""
+        mean_loss = reduce(self.loss / self.steps).item()
         tokens_per_s = self.tokens / max(train_seconds - self._mark, 1e-9)
         self.loss.zero_()
         self.steps = self.tokens = 0

@@ -1,0 +1,340 @@
+"""Training across processes on torch.distributed: the launch, the process group, DDP or FSDP2.
+
+A run launched by `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK in the environment) trains one model on
+W = WORLD_SIZE processes. Rank r of W with a per-process batch b reads rows r·b .. (r+1)·b − 1 of the
+global micro-batch `get_batch(split, i, W·b)`, so micro-batch i holds the same rows at every world
+size. Each rank's loss ℓ_r is the mean over its rows; the gradients are averaged over ranks once per
+optimizer step,
+
+    g = (1/W) Σ_r ∇ℓ_r = ∇ (mean over the W·b rows)        (rows of equal weight, as in an LM batch)
+
+which equals one process with batch W·b. Reported losses are the same mean over ranks, computed as
+SUM / W (gloo's AVG reduction has been reported to sum: pytorch issue 162338).
+
+`parallel`:
+  "ddp"   DistributedDataParallel: every rank holds the whole model and optimizer; gradients are
+          all-reduced during the backward of the last micro-batch (`no_sync` before it).
+  "fsdp"  FSDP2 (`fully_shard` per block, then the root): parameters, gradients and optimizer state
+          are sharded W ways along dim 0 and all-gathered block by block for compute.
+  "none"  one process (the only choice when W = 1).
+  "auto"  "ddp" when W > 1, else "none".
+
+Checkpoints keep the single-process format: the full state dicts gathered to rank 0, which alone
+writes them, plus every rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .config import PARALLEL
+
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a peer before failing
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Where this process sits in the job: rank of world_size, local_rank on its machine."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_from_env(environ: Mapping[str, str] = os.environ) -> Launch:
+    """The launch torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK; one process when they are unset."""
+    if "WORLD_SIZE" not in environ:
+        return Launch()
+    try:
+        rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+        local_rank = int(environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"a distributed launch needs integer RANK, WORLD_SIZE and LOCAL_RANK in the "
+                         f"environment (torchrun sets them): {e}") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ValueError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: need "
+                         "WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0")
+    return Launch(rank, world_size, local_rank)
+
+
+def is_main_process() -> bool:
+    """True on rank 0 and in a single process: the one process that prints and writes files."""
+    return current_launch().is_main
+
+
+def current_launch() -> Launch:
+    """The initialised process group's rank and size, else the environment's."""
+    if dist.is_available() and dist.is_initialized():
+        return Launch(dist.get_rank(), dist.get_world_size(), launch_from_env().local_rank)
+    return launch_from_env()
+
+
+def _timeout_s() -> float:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+@contextlib.contextmanager
+def process_group(timeout_s: float | None = None) -> Iterator[Launch]:
+    """Join the job described by the environment for the duration of the block.
+
+    Initialises the default process group when WORLD_SIZE > 1 and none exists yet — gloo for CPU
+    tensors, NCCL for CUDA tensors with this process on cuda:LOCAL_RANK — and destroys it on every way
+    out of the block (return, exception, Ctrl-C). A collective that waits longer than `timeout_s`
+    (default $PLAINFORMER_DIST_TIMEOUT, else 600 s) for a peer, a rank that died, fails instead of hanging.
+    """
+    launch = launch_from_env()
+    if launch.world_size == 1 or dist.is_initialized():
+        yield current_launch()
+        return
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else _timeout_s())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout,
+                                device_id=torch.device("cuda", launch.local_rank))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    try:
+        yield launch
+    finally:
+        dist.destroy_process_group()
+
+
+def resolve_parallel(parallel: str, world_size: int) -> str:
+    """"auto" -> "ddp" when world_size > 1; any choice -> "none" in one process."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    if world_size == 1:
+        return "none"
+    if parallel == "none":
+        raise ValueError(f"parallel='none' cannot train one model on {world_size} processes; use "
+                         "'ddp' or 'fsdp', or launch a single process")
+    return "ddp" if parallel == "auto" else parallel
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers: the elements of every outermost nn.ModuleList (GPT.blocks, the encoder's
+    and decoder's layers, ...); lists nested inside them, such as MoE experts, stay in their block."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList):
+            blocks.extend(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+class Distributed:
+    """The trainer's view of the job: wraps the model, slices batches, reduces scalars, gathers state.
+
+    In one process (world_size 1, parallel "none") every method is the identity or the plain
+    single-process operation, so the trainer has one code path.
+    """
+
+    def __init__(self, parallel: str = "auto"):
+        self.launch = current_launch()
+        if self.launch.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"WORLD_SIZE={self.launch.world_size} but no process group is initialised; "
+                               "enter plainformer.training.distributed.process_group() first")
+        self.parallel = resolve_parallel(parallel, self.launch.world_size)
+        self.module: nn.Module | None = None
+        self.wrapped: nn.Module | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.is_main
+
+    # ------------------------------------------------------------------------- the model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module to call for forward and backward. A CUDA model moves to cuda:LOCAL_RANK first.
+        DDP copies rank 0's weights to every rank; for FSDP they are broadcast before sharding, so
+        the ranks need not have been seeded alike. FSDP shards `model` in place."""
+        if self.parallel != "none" and next(model.parameters()).device.type == "cuda":
+            model.to(torch.device("cuda", self.launch.local_rank))
+        self.module = model
+        if self.parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            self.wrapped = DistributedDataParallel(
+                model, device_ids=[self.launch.local_rank] if on_cuda else None)
+        elif self.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor, src=0)
+            for block in _blocks(model):
+                fully_shard(block)
+            self.wrapped = fully_shard(model)
+        else:
+            self.wrapped = model
+        return self.wrapped
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around the forward and backward of one micro-batch: gradients are reduced over ranks only
+        when `sync` (the last micro-batch of an optimizer step); before that they accumulate locally."""
+        if self.parallel == "ddp" and not sync:
+            return self.wrapped.no_sync()
+        if self.parallel == "fsdp":
+            self.wrapped.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------- data and scalars
+
+    def global_batch_size(self, batch_size: int) -> int:
+        return batch_size * self.world_size
+
+    def rows(self, batch: Mapping[str, Tensor], batch_size: int) -> dict[str, Tensor]:
+        """This rank's rows r·b .. (r+1)·b − 1 of a global batch whose tensors are (W·b, ...)."""
+        if self.world_size == 1:
+            return dict(batch)
+        start = self.rank * batch_size
+        return {name: tensor[start:start + batch_size] for name, tensor in batch.items()}
+
+    def mean(self, value: Tensor) -> Tensor:
+        """The mean of a scalar tensor over ranks (SUM / W; every rank gets it)."""
+        if self.world_size == 1:
+            return value
+        total = value.detach().float().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on one, so that all ranks leave a loop together."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)])  # a CPU tensor: gloo carries it under either backend
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    @staticmethod
+    def local(value: Tensor) -> Tensor:
+        """A plain tensor for a DTensor (FSDP's gradient norm), else `value` itself."""
+        full_tensor = getattr(value, "full_tensor", None)
+        return full_tensor() if callable(full_tensor) else value
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """The full, unsharded state dict of the model, on CPU; complete on rank 0 (FSDP: empty on
+        the others). Every rank must call it."""
+        if self.parallel != "fsdp":
+            return self.module.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's full state dict in `torch.optim` layout (state keyed by parameter index in
+        param_groups order), whatever the sharding; complete on rank 0. Every rank must call it."""
+        if self.parallel != "fsdp":
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        by_name = get_optimizer_state_dict(self.module, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if not by_name:
+            return {}
+        index = {}
+        groups = []
+        for group in by_name["param_groups"]:
+            params = []
+            for name in group["params"]:
+                index[name] = len(index)
+                params.append(index[name])
+            groups.append({**group, "params": params})
+        state = {index[name]: value for name, value in by_name["state"].items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_model_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a full state dict (every rank holds it) into the model, sharding it under FSDP."""
+        if self.parallel != "fsdp":
+            self.module.load_state_dict(state_dict)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(self.module, dict(state_dict), options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load a full optimizer state dict in `torch.optim` layout (every rank holds it)."""
+        if self.parallel != "fsdp":
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        by_name = {"state": {order[i]: value for i, value in state["state"].items()},
+                   "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                    for group in state["param_groups"]]}
+        set_optimizer_state_dict(self.module, optimizer, by_name,
+                                 options=StateDictOptions(full_state_dict=True))
+
+    def gather(self, value: Any) -> list[Any]:
+        """[value of rank 0, ..., value of rank W−1] on every rank (any picklable value)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+
+def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
+    """The torchrun command that runs `plainformer ARGV` on `nproc` processes of this machine."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "plainformer", *argv]
+
+
+def run_torchrun(nproc: int, argv: Sequence[str]) -> int:
+    """Run `plainformer ARGV` on `nproc` local processes under torchrun's launcher; its exit status
+    (non-zero when a rank failed), or 130 after Ctrl-C.
+
+    Ctrl-C in the terminal reaches torchrun, which passes one SIGINT to each rank (they run in
+    sessions of their own): the ranks finish the step, save last/ once and exit 130. Meanwhile this
+    process only waits, so that the launcher is never killed under its ranks."""
+    command = torchrun_command(nproc, argv)
+    interrupted = False
+
+    def note(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, note)  # a Python handler is not inherited by exec
+    try:
+        status = subprocess.Popen(command).wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130 if interrupted else status

@@ -1,0 +1,312 @@
+"""Tests for plainformer.training.distributed: 2 processes (gloo, loopback) against 1 process.
+
+The reference is one process with batch 2b, the same global batch as 2 processes x batch b; losses
+and weights must agree to 1e-5 (fp32) for DDP, DDP with gradient accumulation and FSDP2, after an
+exact resume at world size 2 and after a resume of a 2-process checkpoint in 1 process.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as tmp
+from safetensors.torch import load_file, save_file
+
+from plainformer.data.lm import LMBatchSource
+from plainformer.io.checkpoint import load_checkpoint
+from plainformer.models.gpt import GPT, GPTConfig
+from plainformer.training.config import TrainConfig
+from plainformer.training.distributed import (
+    Distributed,
+    launch_from_env,
+    process_group,
+    resolve_parallel,
+    torchrun_command,
+)
+from plainformer.training.trainer import Trainer
+
+WORLD, B, STEPS, VOCAB, BLOCK = 2, 3, 4, 23, 8
+TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=2, n_heads=2, d_model=32, d_ff=64))
+
+
+def _source() -> LMBatchSource:
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 4000)
+    return LMBatchSource(tokens[:3000], tokens[3000:], BLOCK, seed=0)
+
+
+def _config(**overrides) -> TrainConfig:
+    settings = dict(max_steps=STEPS, batch_size=B, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=STEPS,
+                    eval_interval=2, eval_batches=2, log_interval=1, save_interval=0, seed=0)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def _train(out: Path, *, resume: bool = False, **overrides) -> Trainer:
+    trainer = Trainer(_tiny_gpt(), _source(), _config(**overrides), out, progress=False, resume=resume)
+    trainer.fit()
+    return trainer
+
+
+# (name, TrainConfig overrides); "_split" runs stop at step 2, are copied, then resume to STEPS.
+JOBS = [("ddp", dict(parallel="ddp")), ("ddp_accum", dict(parallel="ddp", grad_accum_steps=2)),
+        ("fsdp", dict(parallel="fsdp")), ("fsdp_accum", dict(parallel="fsdp", grad_accum_steps=2)),
+        ("ddp_split", dict(parallel="ddp")), ("fsdp_split", dict(parallel="fsdp"))]
+
+
+def _two_process_worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with process_group(timeout_s=60):
+        for name, overrides in JOBS:
+            out = Path(root) / name
+            if name.endswith("_split"):
+                _train(out, **{**overrides, "max_steps": 2})
+                torch.distributed.barrier()  # rank 0 has written last/
+                if rank == 0:
+                    shutil.copytree(out, Path(root) / f"{name}_at_2")
+                trainer = _train(out, resume=True, **overrides)
+            else:
+                trainer = _train(out, **overrides)
+            next_draw = torch.rand(3)  # what this rank's stream gives after the final save of last/
+            # Each rank's own view of the weights (under FSDP: gathered from the shards).
+            full = trainer.dist.model_state_dict() if trainer.dist.parallel == "fsdp" else trainer.model.state_dict()
+            if full:
+                save_file({**{k: v.clone() for k, v in full.items()}, "next_draw": next_draw},
+                          out / f"rank{rank}.safetensors")
+            torch.distributed.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every 2-process run of JOBS, and the 1-process references with batch 2b."""
+    root = tmp_path_factory.mktemp("distributed")
+    tmp.start_processes(_two_process_worker, args=(_free_port(), str(root)), nprocs=WORLD,
+                        start_method="spawn")
+    torch.set_num_threads(1)
+    _train(root / "ref", batch_size=WORLD * B)
+    _train(root / "ref_accum", batch_size=WORLD * B, grad_accum_steps=2)
+    for name in ("ddp_split", "fsdp_split"):
+        _train(root / f"{name}_at_2", resume=True, batch_size=WORLD * B)
+    return root
+
+
+def _losses(run: Path) -> dict[str, list[float]]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {key: [line[key] for line in lines if key in line] for key in ("train_loss", "val_loss")}
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run / "last").state_dict
+
+
+def _assert_same_run(run: Path, reference: Path) -> None:
+    losses, expected = _losses(run), _losses(reference)
+    assert len(losses["train_loss"]) == STEPS and len(losses["val_loss"]) == STEPS // 2
+    for key in expected:
+        np.testing.assert_allclose(losses[key], expected[key], rtol=0, atol=TOL)
+    weights, expected_weights = _weights(run), _weights(reference)
+    assert weights.keys() == expected_weights.keys()
+    for name in expected_weights:
+        torch.testing.assert_close(weights[name], expected_weights[name], rtol=0, atol=TOL, msg=name)
+
+
+def test_two_processes_with_batch_b_match_one_process_with_batch_2b(runs):
+    _assert_same_run(runs / "ddp", runs / "ref")
+
+
+def test_two_processes_match_one_process_with_gradient_accumulation(runs):
+    _assert_same_run(runs / "ddp_accum", runs / "ref_accum")
+
+
+@pytest.mark.parametrize("run", ["ddp", "ddp_accum"])
+def test_ddp_ranks_hold_identical_parameters(runs, run):
+    rank0, rank1 = (load_file(runs / run / f"rank{r}.safetensors") for r in range(WORLD))
+    for name in rank0.keys() - {"next_draw"}:
+        assert torch.equal(rank0[name], rank1[name]), name
+
+
+@pytest.mark.parametrize("fsdp, ddp", [("fsdp", "ddp"), ("fsdp_accum", "ddp_accum")])
+def test_fsdp2_matches_ddp(runs, fsdp, ddp):
+    _assert_same_run(runs / fsdp, runs / ddp)
+    gathered = load_file(runs / fsdp / "rank0.safetensors")
+    for name, tensor in load_file(runs / ddp / "rank0.safetensors").items():
+        if name == "next_draw":
+            continue
+        torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_at_world_size_two_is_exact(runs, parallel):
+    _assert_same_run(runs / f"{parallel}_split", runs / parallel)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_checkpoint_resumes_in_one_process(runs, parallel):
+    _assert_same_run(runs / f"{parallel}_split_at_2", runs / "ref")
+
+
+def test_checkpoint_of_two_processes_holds_every_ranks_rng_state(runs):
+    # _at_2 was overwritten by the 1-process resume; the world-size-2 run's last/ is in _split.
+    checkpoint = load_checkpoint(runs / "ddp_split" / "last")
+    assert checkpoint.trainer_state["world_size"] == WORLD and checkpoint.rng_ranks == WORLD
+    draws = [load_file(runs / "ddp_split" / f"rank{r}.safetensors")["next_draw"] for r in range(WORLD)]
+    assert not torch.equal(draws[0], draws[1])  # the ranks' streams are seeded apart
+    for rank in range(WORLD):
+        checkpoint.restore_rng_state(rank)
+        assert torch.equal(torch.rand(3), draws[rank]), rank
+
+
+def test_only_rank_zero_writes_files(runs):
+    assert sorted(p.name for p in (runs / "ddp").iterdir()) == [
+        "best", "last", "loss.png", "metrics.jsonl", "rank0.safetensors", "rank1.safetensors"]
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+class _FailingSource(LMBatchSource):
+    """Rank 1 dies abruptly (no cleanup, like a killed process) or hangs when it reads training batch 2."""
+
+    fault = "dies"
+
+    def get_batch(self, split, index, batch_size):
+        if split == "train" and index == 2 and os.environ["RANK"] == "1":
+            if self.fault == "dies":
+                os._exit(7)
+            time.sleep(600)
+        return super().get_batch(split, index, batch_size)
+
+
+def _failing_worker(rank: int, port: int, root: str, fault: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PLAINFORMER_DIST_TIMEOUT="10")
+    torch.set_num_threads(1)
+    source = _source()
+    source.__class__ = _FailingSource
+    source.fault = fault
+    Trainer(_tiny_gpt(), source, _config(max_steps=100), root, progress=False).fit()
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_failed_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path, fault):
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    ranks = [context.Process(target=_failing_worker, args=(r, port, str(tmp_path), fault))
+             for r in range(WORLD)]
+    for process in ranks:
+        process.start()
+    ranks[0].join(timeout=90)  # start-up, two steps, then at most the 10 s timeout
+    survivor_alive = ranks[0].is_alive()
+    for process in ranks:
+        process.kill()
+        process.join()
+    assert not survivor_alive, "rank 0 still waits for the failed rank"
+    assert ranks[0].exitcode not in (0, None)
+    if fault == "dies":
+        assert ranks[1].exitcode == 7
+
+
+# ----------------------------------------------------------------------------- the launch
+
+
+def test_launch_is_read_from_torchruns_environment():
+    assert launch_from_env({}).world_size == 1
+    launch = launch_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.is_main) == (3, 8, 1, False)
+    with pytest.raises(ValueError, match="RANK=8, WORLD_SIZE=8"):
+        launch_from_env({"RANK": "8", "WORLD_SIZE": "8", "LOCAL_RANK": "0"})
+    with pytest.raises(ValueError, match="integer RANK"):
+        launch_from_env({"WORLD_SIZE": "2"})
+
+
+def test_parallel_resolves_to_ddp_by_default_and_to_none_in_one_process():
+    assert resolve_parallel("auto", 4) == "ddp" and resolve_parallel("fsdp", 4) == "fsdp"
+    assert resolve_parallel("fsdp", 1) == "none"
+    with pytest.raises(ValueError, match="parallel='none' cannot train one model on 4"):
+        resolve_parallel("none", 4)
+    with pytest.raises(ValueError, match="parallel must be one of"):
+        TrainConfig(parallel="zero3")
+
+
+def test_one_process_is_the_identity():
+    job = Distributed("auto")
+    model = torch.nn.Linear(2, 2)
+    batch = {"x": torch.arange(6).view(3, 2)}
+    assert job.wrap(model) is model and job.rows(batch, 3)["x"] is batch["x"]
+    assert job.mean(torch.tensor(2.5)).item() == 2.5 and job.any(True) and job.gather(1) == [1]
+
+
+def test_torchrun_command_runs_plainformer_on_n_local_processes():
+    assert torchrun_command(4, ["train", "--max-steps", "2"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        "-m", "plainformer", "train", "--max-steps", "2"]
+    with pytest.raises(ValueError, match="nproc must be a positive int"):
+        torchrun_command(0, [])
+
+
+def test_torchrun_trains_through_the_command_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "PLAINFORMER_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "plainformer", "train", "--out", str(out), "--max-steps", "2", "--batch-size", "2",
+               "--block-size", "16", "--n-layers", "1", "--n-heads", "2", "--d-model", "32",
+               "--d-ff", "64", "--eval-batches", "1", "--dtype", "float32", "--no-progress",
+               "--parallel", "fsdp"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1])["step"] == 2
+    state = load_checkpoint(out / "last").trainer_state
+    assert state["world_size"] == 2 and state["data_position"] == 2
+
+
+def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "PLAINFORMER_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--max-steps", "100000", "--batch-size", "2", "--block-size", "16",
+            "--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--eval-batches", "1",
+            "--dtype", "float32", "--no-progress", "--log-interval", "1", "--save-interval", "0",
+            "--eval-interval", "0"]
+    code = f"from plainformer.training.distributed import run_torchrun; raise SystemExit(run_torchrun(2, {argv!r}))"
+    # Its own process group stands for the terminal's foreground group that Ctrl-C signals.
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, stderr[-3000:]
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["interrupted"] and load_checkpoint(out / "last").trainer_state["step"] == report["step"]
+    assert [p.name for p in out.iterdir() if "last" in p.name] == ["last"]
