@@ -119,7 +119,7 @@ def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
     ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
-    ("activation", "tanh"), ("backend", "cuda"),
+    ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -131,6 +131,13 @@ def test_config_rejects_odd_dimensions_for_rope_and_sinusoidal_positions():
         pf.GPTConfig(**{**TINY, "d_model": 36, "n_heads": 4}, pos_encoding="rope")  # head_dim 9
     with pytest.raises(ValueError, match="sinusoidal.*even d_model"):
         pf.GPTConfig(**{**TINY, "d_model": 33, "n_heads": 3}, pos_encoding="sinusoidal")
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_eps_reaches_every_norm(norm):
+    model = _gpt(norm=norm, norm_eps=1e-3)
+    norms = [model.norm] + [n for block in model.blocks for n in (block.norm1, block.norm2)]
+    assert [n.eps for n in norms] == [1e-3] * len(norms)
 
 
 def test_model_rejects_a_non_config():
