@@ -20,12 +20,15 @@ from .data.tokenizers import (
     CharTokenizer,
     Tokenizer,
     WordPieceTokenizer,
+    load_hf_tokenizer,
     load_tokenizer,
+    save_hf_tokenizer,
 )
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
 from .io.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from .io.hf import load_hf, save_hf
 from .io.hf_bert import load_hf_bert, save_hf_bert
 from .models import (
     GPT,
@@ -106,7 +109,9 @@ __all__ = [
     "generate",
     "iter_generate",
     "load_checkpoint",
+    "load_hf",
     "load_hf_bert",
+    "load_hf_tokenizer",
     "load_split",
     "load_text",
     "load_tokenizer",
@@ -117,7 +122,9 @@ __all__ = [
     "prepare_lm_data",
     "sample_next",
     "save_checkpoint",
+    "save_hf",
     "save_hf_bert",
+    "save_hf_tokenizer",
     "scaled_dot_product_attention",
     "split_text",
     "token_array",
