@@ -102,6 +102,16 @@ def test_hugging_face_model_loads_with_equal_logits(name, tmp_path):
         assert _max_error(ours(idx)[0], _hf_logits(theirs, idx)) <= TOLERANCE
 
 
+def test_a_sharded_checkpoint_loads(tmp_path):
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(_hf_config("llama-gqa-untied")).eval()
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    idx = _tokens()
+    with torch.no_grad():
+        assert _max_error(pf.load_hf(tmp_path)(idx)[0], _hf_logits(theirs, idx)) <= TOLERANCE
+
+
 def test_gpt2_mask_buffers_are_ignored_by_suffix_and_other_keys_refused(tmp_path):
     theirs, directory = _hf_directory("gpt2", tmp_path)
     state = load_file(directory / "model.safetensors")
@@ -170,6 +180,12 @@ def test_round_trip_through_hugging_face_keeps_every_weight_bit_for_bit(name, tm
     for key, value in back.state_dict().items():
         assert torch.equal(value, expected[key]), key
     assert (back.lm_head.weight is back.token_embedding.weight) == ours.config.tie_weights
+
+
+def test_a_bfloat16_model_is_written_in_bfloat16(tmp_path):
+    pf.save_hf(_ours("llama-tied").to(torch.bfloat16), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
 
 
 def test_a_tied_head_is_written_once(tmp_path):

@@ -42,16 +42,24 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from ..data.tokenizers import Tokenizer, load_hf_tokenizer, save_hf_tokenizer
+from ..data.tokenizers import TOKENIZER_FILE, Tokenizer, load_hf_tokenizer, save_hf_tokenizer
 from ..models.bert import BertModel
 from ..models.gpt import GPT, GPTConfig
 from .atomic import atomic_path
-from .hf_bert import HF_CONFIG, SAFETENSORS, load_hf_bert, read_hf_weights, save_hf_bert
+from .hf_bert import (
+    HF_CONFIG,
+    SAFETENSORS,
+    load_hf_bert,
+    load_hf_bert_tokenizer,
+    read_hf_weights,
+    save_hf_bert,
+)
 
 EMBEDDING, NORM, LINEAR, CONV1D = "embedding", "norm", "linear", "conv1d"
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,12 +297,13 @@ def state_to_hf(state: Mapping[str, Tensor], config: GPTConfig,
 
 # ----------------------------------------------------------------------------- directories
 
-def gpt_config_to_hf(config: GPTConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+def gpt_config_to_hf(config: GPTConfig, tokenizer: Tokenizer | None = None, *,
+                     dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of a GPT with this config (refused, naming the field, when no layout fits)."""
     layout = layout_for(config)
     special = {f"{role}_token_id": getattr(tokenizer, f"{role}_id", None) for role in ("bos", "eos", "pad")}
-    return {"architectures": [layout.architecture], "model_type": layout.model_type, "dtype": "float32",
-            **special, **layout.config_to_hf(config)}
+    return {"architectures": [layout.architecture], "model_type": layout.model_type,
+            "dtype": str(dtype).removeprefix("torch."), **special, **layout.config_to_hf(config)}
 
 
 def gpt_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
@@ -337,7 +346,7 @@ def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
         config = config.replace(vocab_size=tokenizer.vocab_size)  # why: padding rows no id reaches
         state = {k: v[:tokenizer.vocab_size] if k in ("token_embedding.weight", f"{HEAD}.weight") else v
                  for k, v in state.items()}
-    hf_config = gpt_config_to_hf(config, tokenizer)
+    hf_config = gpt_config_to_hf(config, tokenizer, dtype=model.token_embedding.weight.dtype)
     tensors = state_to_hf(state, config)
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_path(directory / SAFETENSORS) as tmp:
@@ -376,11 +385,30 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
     else:
         config = gpt_config_from_hf(hf, backend=backend)
         model = GPT(config)
-        state = state_from_hf(read_hf_weights(directory), config)
+        state = state_from_hf(_read_weights(directory), config)
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
             raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
         model.eval()
-    model.tokenizer = load_hf_tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))
     return model
+
+
+def _read_weights(directory: Path) -> dict[str, Tensor]:
+    """The tensors of model.safetensors, of the shards its index lists, or of pytorch_model.bin."""
+    index = directory / SHARD_INDEX
+    if (directory / SAFETENSORS).is_file() or not index.is_file():
+        return read_hf_weights(directory)
+    shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    if not shards or any(Path(shard).name != shard for shard in shards):
+        raise ValueError(f"{index} must map weights to shard files in {directory}")
+    return {name: tensor for shard in shards for name, tensor in load_file(directory / shard).items()}
+
+
+def _read_tokenizer(directory: Path, model_type: str | None) -> Tokenizer | None:
+    if (directory / TOKENIZER_FILE).is_file():
+        return load_hf_tokenizer(directory)
+    if model_type == "bert" and (directory / "vocab.txt").is_file():
+        return load_hf_bert_tokenizer(directory)
+    return None
