@@ -36,6 +36,7 @@ from ..io.checkpoint import (
 from .config import TrainConfig
 from .optim import lr_at, make_optimizer
 from .plots import plot_loss_curve
+from .tensorboard import tensorboard_log
 
 
 class TrainingInterrupted(Exception):
@@ -240,6 +241,7 @@ class Trainer:
         evaluated = saved = None  # the steps of this session's latest evaluation and save of last/
         stopped_by, grad_norm = "max_steps", None
         with _InterruptRequest() as interrupt, open(self.metrics_path, "a") as self._log, \
+                tensorboard_log(self.out_dir, cfg.tensorboard) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not self.progress,
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
             while self.step < cfg.max_steps:
@@ -279,6 +281,7 @@ class Trainer:
     def _record(self, **values: Any) -> None:
         self._log.write(json.dumps({"step": self.step, **values}) + "\n")
         self._log.flush()
+        self._tensorboard(self.step, values)
 
     def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
