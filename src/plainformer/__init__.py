@@ -40,6 +40,7 @@ from .models import (
     Transformer,
     TransformerConfig,
 )
+from .models.attention_maps import attention_maps, plot_attention_maps
 from .models.sentence import SentenceEncoder
 from .nn.attention import (
     MultiHeadAttention,
@@ -102,6 +103,7 @@ __all__ = [
     "WordPieceTokenizer",
     "Work",
     "attention",
+    "attention_maps",
     "beam_search",
     "build_tokenizer",
     "causal_mask",
@@ -118,6 +120,7 @@ __all__ = [
     "lr_at",
     "make_optimizer",
     "make_task",
+    "plot_attention_maps",
     "plot_loss_curve",
     "prepare_lm_data",
     "sample_next",

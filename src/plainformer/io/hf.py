@@ -279,7 +279,7 @@ def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
     state = {}
     for w in weights:
         tensor = hf_state[w.hf].T if w.transpose else hf_state[w.hf]
-        state.update(zip(w.ours, tensor.chunk(len(w.ours)) if len(w.ours) > 1 else (tensor,)))
+        state.update(zip(w.ours, tensor.chunk(len(w.ours))))
     if config.tie_weights:
         state[f"{HEAD}.weight"] = state["token_embedding.weight"]
     return state
@@ -290,7 +290,7 @@ def state_to_hf(state: Mapping[str, Tensor], config: GPTConfig,
     """Our state dict in the Hugging Face layout's names (contiguous CPU tensors, each stored once)."""
     tensors = {}
     for w in weight_map(config, layout):
-        tensor = torch.cat([state[o].detach() for o in w.ours]) if len(w.ours) > 1 else state[w.ours[0]].detach()
+        tensor = torch.cat([state[o].detach() for o in w.ours])  # (Σ out, in) or (Σ out,)
         tensors[w.hf] = (tensor.T if w.transpose else tensor).cpu().contiguous()
     return tensors
 
