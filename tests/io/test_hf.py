@@ -248,6 +248,13 @@ def test_bert_saves_and_loads_through_the_same_entry_points(tmp_path):
         assert _max_error(bert(idx).last_hidden_state, theirs(idx).last_hidden_state) <= TOLERANCE
 
 
+def test_a_plainformer_checkpoint_is_not_taken_for_a_hugging_face_directory(tmp_path):
+    model = _ours("gpt2")
+    pf.save_checkpoint(tmp_path, model=model, family="gpt", model_config=model.config.to_dict())
+    with pytest.raises(ValueError, match="no model_type: not a Hugging Face model directory"):
+        pf.load_hf(tmp_path)
+
+
 def test_save_refuses_other_models(tmp_path):
     with pytest.raises(TypeError, match="model must be a GPT or a BertModel, got Linear"):
         pf.save_hf(torch.nn.Linear(2, 2), tmp_path)

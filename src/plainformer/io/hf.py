@@ -309,6 +309,9 @@ def gpt_config_to_hf(config: GPTConfig, tokenizer: Tokenizer | None = None, *,
 def gpt_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     """A GPTConfig from a GPT-2 or Llama config.json."""
     model_type = hf.get("model_type")
+    if model_type is None:
+        raise ValueError("config.json has no model_type: not a Hugging Face model directory (a plainformer "
+                         "checkpoint loads with GPT.from_checkpoint or load_checkpoint)")
     if model_type not in LAYOUTS:
         raise ValueError(f"config.json describes a {model_type!r} model; a GPT loads from "
                          f"{' or '.join(map(repr, LAYOUTS))}")
