@@ -20,12 +20,15 @@ from .data.tokenizers import (
     CharTokenizer,
     Tokenizer,
     WordPieceTokenizer,
+    load_hf_tokenizer,
     load_tokenizer,
+    save_hf_tokenizer,
 )
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
 from .io.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from .io.hf import load_hf, save_hf
 from .io.hf_bert import load_hf_bert, save_hf_bert
 from .models import (
     GPT,
@@ -37,6 +40,7 @@ from .models import (
     Transformer,
     TransformerConfig,
 )
+from .models.attention_maps import attention_maps, plot_attention_maps
 from .models.sentence import SentenceEncoder
 from .nn.attention import (
     MultiHeadAttention,
@@ -99,6 +103,7 @@ __all__ = [
     "WordPieceTokenizer",
     "Work",
     "attention",
+    "attention_maps",
     "beam_search",
     "build_tokenizer",
     "causal_mask",
@@ -106,18 +111,23 @@ __all__ = [
     "generate",
     "iter_generate",
     "load_checkpoint",
+    "load_hf",
     "load_hf_bert",
+    "load_hf_tokenizer",
     "load_split",
     "load_text",
     "load_tokenizer",
     "lr_at",
     "make_optimizer",
     "make_task",
+    "plot_attention_maps",
     "plot_loss_curve",
     "prepare_lm_data",
     "sample_next",
     "save_checkpoint",
+    "save_hf",
     "save_hf_bert",
+    "save_hf_tokenizer",
     "scaled_dot_product_attention",
     "split_text",
     "token_array",

@@ -11,6 +11,7 @@ import transformers
 
 import plainformer as pf
 from plainformer.generation.decoding import iter_generate
+from plainformer.io.hf import state_from_hf
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)
@@ -35,34 +36,6 @@ def _hf_config(config: pf.GPTConfig) -> transformers.GPT2Config:
         layer_norm_epsilon=1e-5, tie_word_embeddings=True)
 
 
-def _weight_pairs(ours: pf.GPT, theirs: transformers.GPT2LMHeadModel):
-    """(our parameter, a function of HF's parameters giving its value) for every parameter of ours.
-
-    HF's Conv1D stores weights as (in, out), the transpose of nn.Linear's (out, in); c_attn holds
-    q, k and v side by side along `out`.
-    """
-    hf = dict(theirs.named_parameters())
-    d = ours.config.d_model
-    pairs = [(ours.token_embedding.weight, lambda p: p["transformer.wte.weight"]),
-             (ours.position.embedding.weight, lambda p: p["transformer.wpe.weight"]),
-             (ours.norm.weight, lambda p: p["transformer.ln_f.weight"]),
-             (ours.norm.bias, lambda p: p["transformer.ln_f.bias"])]
-    for i, block in enumerate(ours.blocks):
-        h = f"transformer.h.{i}."
-        attn, ff = block.self_attn, block.ff
-        for j, linear in enumerate((attn.W_q, attn.W_k, attn.W_v)):
-            pairs.append((linear.weight, lambda p, h=h, j=j: p[h + "attn.c_attn.weight"][:, j * d:(j + 1) * d].T))
-            pairs.append((linear.bias, lambda p, h=h, j=j: p[h + "attn.c_attn.bias"][j * d:(j + 1) * d]))
-        for linear, name in ((attn.W_o, "attn.c_proj"), (ff.W_1, "mlp.c_fc"), (ff.W_2, "mlp.c_proj")):
-            pairs.append((linear.weight, lambda p, h=h, name=name: p[h + name + ".weight"].T))
-            pairs.append((linear.bias, lambda p, h=h, name=name: p[h + name + ".bias"]))
-        for norm, name in ((block.norm1, "ln_1"), (block.norm2, "ln_2")):
-            pairs.append((norm.weight, lambda p, h=h, name=name: p[h + name + ".weight"]))
-            pairs.append((norm.bias, lambda p, h=h, name=name: p[h + name + ".bias"]))
-    assert len({id(ours_p) for ours_p, _ in pairs}) == len(list(ours.parameters()))
-    return pairs, hf
-
-
 def _gpt_and_hf(backend: str) -> tuple[pf.GPT, transformers.GPT2LMHeadModel]:
     config = pf.GPTConfig(**TINY, bias=True, activation="gelu_tanh", pos_encoding="learned",
                           tie_weights=True, backend=backend)
@@ -72,10 +45,7 @@ def _gpt_and_hf(backend: str) -> tuple[pf.GPT, transformers.GPT2LMHeadModel]:
         for name, parameter in theirs.named_parameters():
             parameter.normal_(0.0, 0.5 if parameter.ndim == 1 else 0.15)
     ours = pf.GPT(config).eval()
-    pairs, hf = _weight_pairs(ours, theirs)
-    with torch.no_grad():
-        for parameter, value in pairs:
-            parameter.copy_(value(hf))
+    ours.load_state_dict(state_from_hf(theirs.state_dict(), config))  # the library's GPT-2 weight map
     return ours, theirs
 
 
@@ -90,10 +60,9 @@ def test_matches_hugging_face_gpt2_logits_loss_and_gradients_with_copied_weights
     assert_close(loss, expected.loss, "loss")
     loss.backward()
     expected.loss.backward()
-    pairs, hf = _weight_pairs(ours, theirs)
-    hf_grads = {name: p.grad for name, p in hf.items()}
-    for parameter, value in pairs:
-        assert_close(parameter.grad, value(hf_grads), "gradient")
+    expected_grads = state_from_hf({name: p.grad for name, p in theirs.named_parameters()}, ours.config)
+    for name, parameter in ours.named_parameters():
+        assert_close(parameter.grad, expected_grads[name], f"gradient of {name}")
 
 
 def test_tied_output_projection_is_the_token_embedding():
@@ -119,7 +88,7 @@ def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
     ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
-    ("activation", "tanh"), ("backend", "cuda"),
+    ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -131,6 +100,13 @@ def test_config_rejects_odd_dimensions_for_rope_and_sinusoidal_positions():
         pf.GPTConfig(**{**TINY, "d_model": 36, "n_heads": 4}, pos_encoding="rope")  # head_dim 9
     with pytest.raises(ValueError, match="sinusoidal.*even d_model"):
         pf.GPTConfig(**{**TINY, "d_model": 33, "n_heads": 3}, pos_encoding="sinusoidal")
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_eps_reaches_every_norm(norm):
+    model = _gpt(norm=norm, norm_eps=1e-3)
+    norms = [model.norm] + [n for block in model.blocks for n in (block.norm1, block.norm2)]
+    assert [n.eps for n in norms] == [1e-3] * len(norms)
 
 
 def test_model_rejects_a_non_config():

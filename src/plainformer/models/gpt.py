@@ -57,6 +57,7 @@ class GPTConfig(Config):
     tie_weights: bool = True
     backend: str = "auto"
     rope_base: float = 10000.0
+    norm_eps: float = 1e-5
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
@@ -84,6 +85,9 @@ class GPTConfig(Config):
         _checks.check_choice("norm", self.norm, NORMS)
         _checks.check_choice("activation", self.activation, ACTIVATIONS)
         _checks.check_choice("backend", self.backend, BACKENDS)
+        if not (isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool)
+                and self.norm_eps > 0):
+            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
         if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
             raise ValueError(f"pos_encoding='rope' needs an even head dimension d_model/n_heads, "
                              f"got {self.d_model}/{self.n_heads}")
@@ -114,9 +118,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
                          activation=config.activation, norm_first=True, n_kv_heads=config.n_kv_heads,
-                         norm=config.norm, bias=config.bias, backend=config.backend)
+                         norm=config.norm, norm_eps=config.norm_eps, bias=config.bias,
+                         backend=config.backend)
             for _ in range(config.n_layers))
-        self.norm = make_norm(config.norm, config.d_model, bias=config.bias)
+        self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight

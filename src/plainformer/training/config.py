@@ -74,6 +74,7 @@ class TrainConfig(Config):
     max_time: float | None = None
     compile: bool = False
     parallel: str = "auto"
+    tensorboard: bool = False
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's config/train_shakespeare_char.py as run on a CPU.
@@ -115,8 +116,9 @@ class TrainConfig(Config):
         _checks.check_choice("parallel", self.parallel, PARALLEL)
         if self.max_time is not None:
             _check_number("max_time", self.max_time, positive=True)
-        if not isinstance(self.compile, bool):
-            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        for name in ("compile", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
                              f"({self.warmup_steps})")

@@ -40,6 +40,7 @@ from .distributed import Distributed, process_group
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
 from .precision import resolve_dtype
+from .tensorboard import tensorboard_log
 
 
 class TrainingInterrupted(Exception):
@@ -280,6 +281,7 @@ class Trainer:
         stopped_by, grad_norm = "max_steps", None
         log_path = self.metrics_path if self.dist.is_main else os.devnull
         with _InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
+                tensorboard_log(self.out_dir, cfg.tensorboard and self.dist.is_main) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
             while self.step < cfg.max_steps:
@@ -333,6 +335,7 @@ class Trainer:
     def _record(self, **values: Any) -> None:
         self._log.write(json.dumps({"step": self.step, **values}) + "\n")
         self._log.flush()
+        self._tensorboard(self.step, values)
 
     def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:

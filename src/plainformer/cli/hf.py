@@ -1,0 +1,146 @@
+"""`plainformer export | attention`: a run as a Hugging Face directory, and its attention as a picture.
+
+    plainformer export --ckpt RUN --out DIR        DIR loads with AutoModelForCausalLM / AutoTokenizer
+    plainformer attention --ckpt RUN --text "..." --out attn.png [--layer L] [--head H]
+    plainformer attention --ckpt RUN --source "..." --target "..." --out attn.png   (encoder-decoder)
+
+--ckpt takes a checkpoint directory, a run directory (its best/, else last/) or a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..io.checkpoint import load_checkpoint, load_model
+from ..io.hf import is_hf_directory, load_hf, read_hf_config, save_hf
+from ..models.attention_maps import attention_maps, plot_attention_maps
+from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from ..models.gpt import GPT, GPTConfig
+from ..models.transformer import Transformer, TransformerConfig
+from . import UserError, checkpoint_dir
+
+FAMILIES = {
+    "gpt": (GPT, GPTConfig),
+    "bert": (BertModel, BertConfig),
+    "bert-mlm": (BertForMaskedLM, BertConfig),
+    "bert-cls": (BertForSequenceClassification, BertConfig),
+    "transformer": (Transformer, TransformerConfig),
+}
+CKPT_HELP = "checkpoint directory, run directory (its best/, else last/) or Hugging Face directory"
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    _register_export(subcommands)
+    _register_attention(subcommands)
+
+
+def load_any(path: Path) -> nn.Module:
+    """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run."""
+    if not path.exists():
+        raise UserError(f"--ckpt {path} does not exist")
+    if is_hf_directory(path):
+        return load_hf(path)
+    directory = checkpoint_dir(path)
+    family = load_checkpoint(directory).family
+    if family not in FAMILIES:
+        raise UserError(f"{directory} holds a {family!r} model, which this command does not handle")
+    model_cls, config_cls = FAMILIES[family]
+    return load_model(directory, model_cls, config_cls)
+
+
+# ----------------------------------------------------------------------------- export
+
+def _register_export(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "export", help="write a trained model as a Hugging Face directory",
+        description="Write config.json, model.safetensors and the tokenizer (tokenizer.json, "
+                    "tokenizer_config.json) that transformers' AutoModelForCausalLM (a GPT: GPT-2 or "
+                    "Llama layout) or BertModel (a BERT's encoder) and AutoTokenizer load.")
+    parser.add_argument("--ckpt", type=Path, required=True, help=CKPT_HELP)
+    parser.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
+    parser.set_defaults(run=run_export)
+
+
+def run_export(args: argparse.Namespace) -> dict[str, Any]:
+    model = load_any(args.ckpt)
+    tokenizer = model.tokenizer
+    if isinstance(model, (BertForMaskedLM, BertForSequenceClassification)):
+        model = model.bert  # why: the encoder is what Hugging Face's BertModel holds
+    if not isinstance(model, (GPT, BertModel)):
+        raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")
+    save_hf(model, args.out, tokenizer=tokenizer)
+    hf = read_hf_config(args.out)
+    return {"out": str(args.out), "model_type": hf["model_type"], "architecture": hf["architectures"][0],
+            "tokenizer": None if tokenizer is None else tokenizer.kind}
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _register_attention(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "attention", help="plot attention maps, layers x heads",
+        description="A grid of heatmaps, one row per layer and one column per head, tokens on both axes: "
+                    "self-attention of a GPT or a BERT over --text, or an encoder-decoder's "
+                    "cross-attention of --target over --source.")
+    parser.add_argument("--ckpt", type=Path, required=True, help=CKPT_HELP)
+    parser.add_argument("--text", help="the text whose self-attention is plotted (GPT, BERT)")
+    parser.add_argument("--source", help="encoder-decoder: the source sentence")
+    parser.add_argument("--target", help="encoder-decoder: the target sentence (after BOS)")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--layer", type=int, help="one layer only (default: all)")
+    parser.add_argument("--head", type=int, help="one head only (default: all)")
+    parser.set_defaults(run=run_attention)
+
+
+def run_attention(args: argparse.Namespace) -> dict[str, Any]:
+    model = load_any(args.ckpt)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise UserError(f"{args.ckpt} holds no tokenizer, so the text cannot be encoded")
+    if isinstance(model, Transformer):
+        if args.source is None or args.target is None or args.text is not None:
+            raise UserError("an encoder-decoder plots cross-attention: give --source and --target, not --text")
+        source, target = tokenizer.encode(args.source), [model.config.bos_id, *tokenizer.encode(args.target)]
+        _check_length("--source", source, model.config.max_len)
+        _check_length("--target", target, model.config.max_len)
+        weights = attention_maps(model, torch.tensor(source), torch.tensor(target))
+        queries, keys = _token_texts(tokenizer, target), _token_texts(tokenizer, source)
+    else:
+        if args.text is None or args.source is not None or args.target is not None:
+            raise UserError(f"a {type(model).__name__} plots self-attention: give --text, not --source/--target")
+        ids = tokenizer.encode(args.text)
+        _check_length("--text", ids, getattr(model.config, "block_size", None) or model.config.max_len)
+        weights = attention_maps(model, torch.tensor(ids))
+        queries = keys = _token_texts(tokenizer, ids)
+    layers = _selection("--layer", args.layer, weights.shape[0], "layers")
+    heads = _selection("--head", args.head, weights.shape[1], "heads")
+    plot_attention_maps(weights[layers][:, heads], args.out, queries=queries, keys=keys, layers=layers,
+                        heads=heads)
+    return {"out": str(args.out), "layers": len(layers), "heads": len(heads), "queries": len(queries),
+            "keys": len(keys)}
+
+
+def _check_length(flag: str, ids: Sequence[int], max_len: int) -> None:
+    if not ids:
+        raise UserError(f"{flag} encodes to no tokens; give at least one character")
+    if len(ids) > max_len:
+        raise UserError(f"{flag} encodes to {len(ids)} tokens, more than the model's {max_len} positions")
+
+
+def _selection(flag: str, value: int | None, size: int, what: str) -> list[int]:
+    if value is None:
+        return list(range(size))
+    if not 0 <= value < size:
+        raise UserError(f"{flag} must be in [0, {size}) (the model has {size} {what}), got {value}")
+    return [value]
+
+
+def _token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token's text, special tokens by name (decoding would drop them)."""
+    special = {tokenizer.token_to_id(token): token for token in tokenizer.special_tokens.values()}
+    return [special[i] if i in special else tokenizer.decode([i]) for i in ids]
