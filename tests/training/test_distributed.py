@@ -54,7 +54,7 @@ def _source() -> LMBatchSource:
 
 def _config(**overrides) -> TrainConfig:
     settings = dict(max_steps=STEPS, batch_size=B, lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=STEPS,
-                    eval_interval=2, eval_batches=2, log_interval=1, save_interval=0, seed=0)
+                    eval_interval=2, eval_batches=2, log_interval=1, save_interval=0, seed=0, dtype="float32")
     return TrainConfig(**{**settings, **overrides})
 
 
