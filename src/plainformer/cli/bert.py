@@ -24,7 +24,6 @@ from ..io.hf_bert import MINILM_NAME, resolve_bert_path
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from ..models.sentence import SentenceEncoder, load_bert
 from ..training.evaluation import accuracy, mean_loss
-from ..training.trainer import Trainer
 from . import (
     UserError,
     add_dtype_argument,
@@ -33,7 +32,7 @@ from . import (
     checkpoint_dir,
     log,
 )
-from .train import Run, add_train_arguments
+from .train import Run, add_train_arguments, fit
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -94,8 +93,7 @@ def pretrain(run: Run) -> dict[str, Any]:
     torch.manual_seed(run.train.seed)
     model = BertForMaskedLM(config)
     log(f"model: BERT {run.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {run.out}")
-    metrics = Trainer(model, source, run.train, run.out, tokenizer=tokenizer, resume=run.resume,
-                      progress=run.progress).fit()
+    metrics = fit(run, model, source, tokenizer)
     masked_accuracy = accuracy(model, source, run.train.eval_batches, _eval_batch_size(run))
     log(f"validation: MLM loss {metrics['val_loss']:.4f}, masked-token accuracy {masked_accuracy:.4f}; "
         f"embed with: plainformer embed --model {run.out / 'last'}")
@@ -127,8 +125,7 @@ def finetune(run: Run) -> dict[str, Any]:
     train_config = run.train.replace(eval_batches=val_batches)  # the whole validation set
     log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
         f"validation lines; model from {run.options['init']} -> {run.out}")
-    metrics = Trainer(model, source, train_config, run.out, tokenizer=tokenizer, resume=run.resume,
-                      progress=run.progress).fit()
+    metrics = fit(run, model, source, tokenizer, train_config)
     val_accuracy = accuracy(model, source, val_batches, _eval_batch_size(run))
     baseline = task.majority_baseline("val")
     log(f"validation accuracy {val_accuracy:.4f} (majority class: {baseline:.4f})")

@@ -16,9 +16,8 @@ from ..data.lm import LMBatchSource, prepare_lm_data
 from ..generation.decoding import iter_generate
 from ..models.gpt import GPT
 from ..training.evaluation import validation_loss
-from ..training.trainer import Trainer
 from . import UserError, add_dtype_argument, add_product_arguments, checkpoint_dir, log
-from .train import Run
+from .train import Run, fit
 
 DEFAULT_BPE_VOCAB = 2048
 
@@ -50,9 +49,7 @@ def train(run: Run) -> dict[str, Any]:
     torch.manual_seed(run.train.seed)
     model = GPT(model_config)
     log(f"model: GPT {run.preset}, {model.num_parameters():,} parameters -> {run.out}")
-    trainer = Trainer(model, source, run.train, run.out, tokenizer=data.tokenizer, resume=run.resume,
-                      progress=run.progress)
-    metrics = trainer.fit()
+    metrics = fit(run, model, source, data.tokenizer)
     log(f"checkpoints in {run.out}/last and {run.out}/best; sample with: plainformer sample --ckpt {run.out}")
     return {**metrics, "parameters": model.num_parameters(), "out": str(run.out)}
 

@@ -20,7 +20,6 @@ import torch
 from ..data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
 from ..models.transformer import Transformer
 from ..training.evaluation import score_translations
-from ..training.trainer import Trainer
 from . import (
     UserError,
     add_group,
@@ -30,7 +29,7 @@ from . import (
     run_and_checkpoint,
     set_threads,
 )
-from .train import Run, add_train_arguments
+from .train import Run, add_train_arguments, fit
 
 DEFAULT_TASK = "numbers-en-fr"
 LEGACY_TASK_FILE = "task.json"  # what run directories held before recipe.yaml
@@ -76,8 +75,7 @@ def train(run: Run) -> dict[str, Any]:
     model = Transformer(model_config)
     log(f"model: Transformer, {model.num_parameters():,} parameters, {torch.get_num_threads()} "
         f"thread(s) -> {run.out}")
-    metrics = Trainer(model, source, run.train, run.out, tokenizer=tokenizer, resume=run.resume,
-                      progress=run.progress).fit()
+    metrics = fit(run, model, source, tokenizer)
     best = Transformer.from_checkpoint(run.out / "best")
     scores = score_translations(best, task.sources("test"), task.targets("test"), beam_size=1)
     log(f"test split, greedy: BLEU {scores['bleu']:.2f}, exact match {scores['exact_match']:.2%}; "

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from torch import nn
+
 from .. import recipes
 from ..config import Config
 from ..data.seq2seq import TASKS
@@ -29,6 +31,7 @@ from ..models.bert import BertConfig
 from ..models.gpt import GPTConfig
 from ..models.transformer import TransformerConfig
 from ..training.config import TrainConfig
+from ..training.trainer import Trainer
 from . import UserError, add_config_arguments, field_type, log, set_threads
 
 RECIPE_FILE = "recipe.yaml"
@@ -351,6 +354,14 @@ def run_train(args: argparse.Namespace, default_preset: str,
               families: tuple[str, ...] = recipes.FAMILIES) -> dict[str, Any]:
     run = resolve(args, default_preset, families)
     set_threads(run.options.get("threads"))
-    path = write_recipe(run)
-    log(f"recipe {run.preset} ({run.family}) -> {path}")
     return _trainers()[run.family](run)
+
+
+def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None
+        ) -> dict[str, Any]:
+    """Train `model` as `run` says, once the data and the model are ready: the recipe is written
+    to OUT/recipe.yaml first, so that a run that stops early can still be repeated."""
+    trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer, resume=run.resume,
+                      progress=run.progress)
+    log(f"recipe {run.preset} ({run.family}) -> {write_recipe(run)}")
+    return trainer.fit()
