@@ -4,7 +4,8 @@ A recipe is what `plainformer train --preset NAME` runs: the model family, the m
 `TrainConfig`, and the family's data options (tokenizer, task, sequence length, ...). Options given on
 the command line or in a `--config` file override its fields one by one.
 
-    recipe = pf.recipes.get("seq2seq-copy")
+    from plainformer import recipes
+    recipe = recipes.get("seq2seq-copy")
     recipe.family, recipe.model.d_model, recipe.train.lr, recipe.options["task"]
 """
 

@@ -47,7 +47,7 @@ def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch
     total, count = 0.0, 0
     with eval_mode(model):
         for chunk in chunks:
-            batch = torch.from_numpy(np.ascontiguousarray(chunk))  # (B, T + 1)
+            batch = torch.from_numpy(np.array(chunk))  # (B, T + 1), a writable copy
             logits = model(batch[:, :-1])[0]  # (B, T, V)
             total += float(torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
