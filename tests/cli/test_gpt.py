@@ -172,6 +172,9 @@ def test_resume_refuses_changed_model_fields(capsys, text_file: Path, tmp_path: 
     code, stdout, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--resume",
                                    "--d-model", "64", "--max-steps", "4")
     assert code == 2 and stdout == "" and "d_model" in stderr and "--resume" in stderr
+    code, stdout, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--resume",
+                                   "--preset", "nanogpt-cpu")
+    assert code == 2 and stdout == "" and "preset" in stderr and "--resume" in stderr
 
 
 def test_unknown_prompt_character_is_one_clear_error_line(capsys, text_file: Path, tmp_path: Path):

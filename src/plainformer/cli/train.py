@@ -305,6 +305,8 @@ def resolve(args: argparse.Namespace, default_preset: str,
     given = _given(args)
     out = given.pop("out", None) or Path("runs") / given.get("preset", default_preset)
     saved = read_run_recipe(out) if args.resume else {}
+    if "preset" in given and "preset" in saved:
+        refuse_changes("run", {"preset": saved["preset"]}, {"preset": given["preset"]})
     preset = given.pop("preset", None) or saved.get("preset") or default_preset
     recipe = recipes.get(preset)
     if recipe.family not in families:
