@@ -28,8 +28,6 @@ from .. import __version__
 from ..config import Config
 from ..training.trainer import TrainingInterrupted
 
-Command = Callable[[argparse.Namespace], dict[str, Any]]
-
 
 class UserError(Exception):
     """An error the user can fix; printed as one line, exit status 2."""
@@ -111,12 +109,6 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                                help=help(field.name))
         added.append(field.name)
     return added
-
-
-def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict[str, Any]:
-    """The config fields given on the command line."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)
-            if getattr(args, f.name, None) is not None}
 
 
 def checkpoint_dir(path: Path) -> Path:
