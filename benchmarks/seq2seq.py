@@ -1,5 +1,5 @@
 """Encoder-decoder Transformer: training throughput against torch.nn.Transformer, and translation
-quality on the default task after `plainformer seq2seq train` with its defaults (issue 5).
+quality on the default task after `plainformer train --preset seq2seq-numbers-en-fr` (issue 5).
 
     python benchmarks/seq2seq.py [--presets small base] [--repeats 5] [--steps 10] [--threads 1]
                                  [--skip-quality] [--out DIR]
@@ -16,8 +16,8 @@ batches, interleaved (who goes first alternates) in this one process, after a wa
 rounds are quoted. tokens = source + target tokens that are not padding. ratio = ours / peer in
 tokens/s (higher is better; the issue's target is >= 1.0).
 
-Quality. `plainformer seq2seq train` with its defaults (task numbers-en-fr, preset small) into --out,
-then `plainformer seq2seq eval` of that run on the test split, greedy and with beam 4 (α = 0.6):
+Quality. `plainformer train --preset seq2seq-numbers-en-fr` (model preset small) into --out,
+then `plainformer eval` of that run on the test split, greedy and with beam 4 (α = 0.6):
 corpus BLEU (sacrebleu) and exact match. Wall and CPU seconds of training are both given: on a machine
 shared with other work, CPU seconds are what 2 idle cores would need (the run uses one thread).
 Output: a table, then one JSON line with every figure.
@@ -38,24 +38,27 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from plainformer.cli import seq2seq as seq2seq_cli
+from plainformer import recipes
+from plainformer.cli import build_parser
 from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
 from plainformer.data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
-from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer
 
-TASK = seq2seq_cli.DEFAULT_TASK
+TASK = "numbers-en-fr"
+RECIPE = recipes.get(f"seq2seq-{TASK}")
+RECIPE_PRESET = next(name for name in TransformerConfig.preset_names()
+                     if TransformerConfig.from_preset(name) == RECIPE.model)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", choices=TransformerConfig.preset_names(),
-                        default=[seq2seq_cli.TASK_DEFAULTS[TASK]["preset"]],
+                        default=[RECIPE_PRESET],
                         help="model shapes to time (default: the default task's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per model")
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1, "
-                                                              "as `seq2seq train`)")
+                                                              "as the seq2seq recipes)")
     parser.add_argument("--skip-quality", action="store_true", help="throughput only")
     parser.add_argument("--out", type=Path, help="run directory of the quality run (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -108,11 +111,10 @@ def _training_round(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def throughput(args: argparse.Namespace, preset: str) -> dict[str, Any]:
-    defaults = seq2seq_cli.TASK_DEFAULTS[TASK]
     task = make_task(TASK, sizes={"train": 4000})
     tokenizer = train_tokenizer(task)
     source = Seq2SeqBatches(task, tokenizer)
-    batch_size = defaults["train"]["batch_size"]
+    batch_size = RECIPE.train.batch_size
     batches = [source.get_batch("train", i, batch_size) for i in range(args.steps)]
     tokens = sum(int((b["src"] != tokenizer.pad_id).sum() + (b["tgt_out"] != tokenizer.pad_id).sum())
                  for b in batches)
@@ -122,7 +124,7 @@ def throughput(args: argparse.Namespace, preset: str) -> dict[str, Any]:
     torch.manual_seed(0)
     ours = Transformer(config)
     peer = TorchPeer(ours)
-    recipe = TrainConfig.from_dict({**defaults["train"], "schedule_d_model": config.d_model})
+    recipe = RECIPE.train.replace(schedule_d_model=config.d_model)
     rounds = {"ours": _training_round(ours, make_optimizer(ours, recipe), batches),
               "peer": _training_round(peer, make_optimizer(peer, recipe), batches)}
     for run in rounds.values():
@@ -142,18 +144,16 @@ def throughput(args: argparse.Namespace, preset: str) -> dict[str, Any]:
 
 def _cli(*argv: str) -> dict[str, Any]:
     """Run a `plainformer` command in this process; its metrics."""
-    parser = argparse.ArgumentParser(prog="plainformer")
-    seq2seq_cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(list(argv))
+    args = build_parser().parse_args(list(argv))
     return args.run(args)
 
 
 def quality(out: Path) -> dict[str, Any]:
     wall, cpu = time.perf_counter(), time.process_time()
-    trained = _cli("seq2seq", "train", "--out", str(out), "--no-progress")
+    trained = _cli("train", "--preset", RECIPE.name, "--out", str(out), "--no-progress")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    greedy = _cli("seq2seq", "eval", "--ckpt", str(out), "--beam", "1")
-    beam = _cli("seq2seq", "eval", "--ckpt", str(out), "--beam", "4")
+    greedy = _cli("eval", "--ckpt", str(out), "--beam", "1")
+    beam = _cli("eval", "--ckpt", str(out), "--beam", "4")
     return {"task": trained["task"], "steps": trained["step"], "parameters": trained["parameters"],
             "train_wall_s": wall, "train_cpu_s": cpu, "greedy": greedy, "beam4": beam}
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_quality:
         with tempfile.TemporaryDirectory() as tmp:
             result["quality"] = q = quality(args.out or Path(tmp) / "run")
-        rows += [(f"train `seq2seq train` defaults ({q['task']}, {q['steps']} steps)",
+        rows += [(f"train `--preset seq2seq-{TASK}` ({q['task']}, {q['steps']} steps)",
                   f"{q['train_wall_s']:.0f} s wall, {q['train_cpu_s']:.0f} s CPU", "-", "-")]
         for name, label in (("greedy", "greedy"), ("beam4", "beam 4, α=0.6")):
             scores = q[name]

@@ -1,7 +1,8 @@
 """The package's layering, read from the source: every import, module-level or inside a function.
 
 nn/ imports nothing above it; models/ and data/ never import training/ or cli/; training/ never
-imports cli/. The flat modules `_checks` and `config` sit below everything.
+imports cli/; the recipe registry (recipes.py) sits above models/, data/ and training/, which never
+import it, and below cli/. The flat modules `_checks` and `config` sit below everything.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ BASE = {"plainformer._checks", "plainformer.config"}
 FORBIDDEN = {
     "nn": ("plainformer.models", "plainformer.data", "plainformer.generation", "plainformer.training",
            "plainformer.io", "plainformer.cli", "plainformer.recipes"),
-    "models": ("plainformer.training", "plainformer.cli"),
-    "data": ("plainformer.training", "plainformer.cli"),
-    "training": ("plainformer.cli",),
+    "models": ("plainformer.training", "plainformer.cli", "plainformer.recipes"),
+    "data": ("plainformer.training", "plainformer.cli", "plainformer.recipes"),
+    "generation": ("plainformer.cli", "plainformer.recipes"),
+    "io": ("plainformer.cli", "plainformer.recipes"),
+    "training": ("plainformer.cli", "plainformer.recipes"),
+    "recipes": ("plainformer.cli",),
 }
 
 
@@ -46,8 +50,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def _layer(path: Path) -> str | None:
+    """The folder a module sits in; for a flat module, its own name (`recipes`)."""
     parts = path.relative_to(PACKAGE).parts
-    return parts[0] if len(parts) > 1 else None
+    return parts[0] if len(parts) > 1 else path.stem
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -69,3 +74,7 @@ def test_the_import_reader_sees_relative_and_nested_imports() -> None:
     probe = PACKAGE / "nn" / "attention.py"
     assert "plainformer._checks" in imported_modules(probe)
     assert "plainformer.nn.flash.flash_attention" in imported_modules(probe)  # imported inside a function
+
+
+def test_the_recipe_registry_is_checked_as_a_layer() -> None:
+    assert _layer(PACKAGE / "recipes.py") == "recipes" and "recipes" in FORBIDDEN

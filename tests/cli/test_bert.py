@@ -1,5 +1,6 @@
-"""The BERT command line end to end: embed, search (with its cache), bert pretrain -> bert finetune on a
-tiny model, and the one-line errors."""
+"""The BERT command line end to end: embed, search (with its cache), `train --preset bert-pretrain` ->
+`finetune` -> `eval` on a tiny model, the older `bert pretrain | finetune` spellings, and the one-line
+errors."""
 
 from __future__ import annotations
 
@@ -39,19 +40,25 @@ def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str], 
     return code, captured.out.strip().splitlines(), captured.err
 
 
-def test_embed_prints_one_array_per_text_then_metrics(capsys, encoder):
-    code, lines, _ = run_cli(capsys, "embed", *TEXTS)
-    assert code == 0 and len(lines) == len(TEXTS) + 1
-    printed = torch.tensor([json.loads(line) for line in lines[:-1]])
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_embed_prints_only_one_array_per_text(capsys, encoder):
+    code, lines, err = run_cli(capsys, "embed", *TEXTS)
+    assert code == 0 and len(lines) == len(TEXTS)
+    printed = torch.tensor([json.loads(line) for line in lines])
     assert torch.allclose(printed, encoder.encode(TEXTS), atol=1e-6)
-    assert json.loads(lines[-1])["dim"] == 384
+    assert last_json(err)["dim"] == 384
+    code, with_json, _ = run_cli(capsys, "embed", "--json", *TEXTS)
+    assert with_json[:-1] == lines and json.loads(with_json[-1])["sentences"] == 2
 
 
 def test_embed_reads_stdin_lines_and_writes_a_matrix(capsys, monkeypatch, tmp_path, encoder):
     monkeypatch.setattr("sys.stdin", iter([text + "\n" for text in TEXTS]))
-    code, lines, _ = run_cli(capsys, "embed", "--out", str(tmp_path / "e.npy"))
-    assert code == 0 and len(lines) == 1
-    assert json.loads(lines[0])["sentences"] == 2
+    code, lines, err = run_cli(capsys, "embed", "--npy", str(tmp_path / "e.npy"))
+    assert code == 0 and lines == []
+    assert last_json(err)["sentences"] == 2
     matrix = np.load(tmp_path / "e.npy")
     assert np.allclose(matrix, encoder.encode(TEXTS).numpy(), atol=1e-6)
 
@@ -60,7 +67,8 @@ def test_search_ranks_lines_by_cosine_and_caches_the_corpus(capsys, tmp_path, ca
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The king is dead.\n\nI love you more than words can wield the matter.\n"
                       "Fair is foul, and foul is fair.\nA horse! a horse! my kingdom for a horse!\n")
-    code, lines, _ = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "2", "a horse for my kingdom")
+    code, lines, _ = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "2", "--json",
+                             "a horse for my kingdom")
     assert code == 0 and len(lines) == 3
     first = json.loads(lines[-1])
     assert first["results"][0]["line"] == "A horse! a horse! my kingdom for a horse!"
@@ -68,11 +76,12 @@ def test_search_ranks_lines_by_cosine_and_caches_the_corpus(capsys, tmp_path, ca
     assert lines[0].split("\t")[1] == first["results"][0]["line"]
     assert not first["cached"] and first["corpus_lines"] == 4
     assert len(list((cache / "embeddings").glob("*.npy"))) == 1
-    code, lines, _ = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "2", "a horse for my kingdom")
-    second = json.loads(lines[-1])
+    code, lines, err = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "2", "a horse for my kingdom")
+    assert len(lines) == 2 and lines[0].split("\t")[1] == first["results"][0]["line"]
+    second = last_json(err)
     assert second["cached"] and second["results"] == first["results"]
     corpus.write_text("Something is rotten in the state of Denmark.\n")
-    code, lines, _ = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "3", "Denmark")
+    code, lines, _ = run_cli(capsys, "search", "--corpus", str(corpus), "--k", "3", "--json", "Denmark")
     assert not json.loads(lines[-1])["cached"] and len(json.loads(lines[-1])["results"]) == 1
 
 
@@ -86,34 +95,53 @@ def text_file(tmp_path: Path, cache: Path) -> Path:
     return path
 
 
-def test_pretrain_then_finetune_report_their_metrics(capsys, tmp_path, text_file):
-    code, lines, _ = run_cli(capsys, "bert", "pretrain", "--data", str(text_file), "--out", str(tmp_path / "mlm"),
-                             "--vocab-size", "60", "--seq-len", "12", "--max-steps", "4",
-                             *TINY_MODEL, *TINY_TRAINING)
+def test_pretrain_finetune_and_eval_agree_on_their_metrics(capsys, tmp_path, text_file):
+    code, lines, _ = run_cli(capsys, "train", "--preset", "bert-pretrain", "--data", str(text_file),
+                             "--out", str(tmp_path / "mlm"), "--vocab-size", "60", "--seq-len", "12",
+                             "--max-steps", "4", *TINY_MODEL, *TINY_TRAINING)
     assert code == 0
     pretrain = json.loads(lines[-1])
-    assert pretrain["step"] == 4 and 0.0 <= pretrain["val_masked_accuracy"] <= 1.0
-    assert pretrain["val_mlm_loss"] == pretrain["val_loss"] > 0
+    assert pretrain["step"] == 4 and pretrain["val_mlm_loss"] == pretrain["val_loss"] > 0
     assert (tmp_path / "mlm" / "last" / "tokenizer.json").is_file()
+    code, lines, _ = run_cli(capsys, "eval", "--ckpt", str(tmp_path / "mlm" / "last"))
+    evaluation = json.loads(lines[-1])
+    assert code == 0 and evaluation["batches"] == 2  # the run's eval_batches, seq_len from its recipe
+    assert evaluation["val_masked_accuracy"] == pretrain["val_masked_accuracy"]
+    assert evaluation["val_mlm_loss"] == pytest.approx(pretrain["val_loss"], abs=1e-6)
 
-    code, lines, _ = run_cli(capsys, "bert", "finetune", "--init", str(tmp_path / "mlm"),
-                             "--out", str(tmp_path / "cls"), "--max-steps", "3", "--max-len", "24",
-                             *TINY_TRAINING)
+    code, lines, _ = run_cli(capsys, "finetune", "--init", str(tmp_path / "mlm"), "--out", str(tmp_path / "cls"),
+                             "--max-steps", "3", "--seq-len", "24", "--dropout", "0.2", *TINY_TRAINING)
     assert code == 0
     finetune = json.loads(lines[-1])
-    assert finetune["classes"] == ["Macbeth", "A Midsummer Night's Dream"]
-    assert 0.5 < finetune["majority_baseline"] < 1.0 and 0.0 <= finetune["val_accuracy"] <= 1.0
-    assert finetune["step"] == 3
+    assert finetune["classes"] == ["Macbeth", "A Midsummer Night's Dream"] and finetune["step"] == 3
+    correct = finetune["val_accuracy"] * finetune["val_examples"]  # the whole validation set is scored
+    assert correct == pytest.approx(round(correct), abs=1e-9)
+    assert 0.5 < finetune["majority_baseline"] < 1.0
+    code, lines, _ = run_cli(capsys, "eval", "--ckpt", str(tmp_path / "cls" / "last"))
+    assert code == 0 and json.loads(lines[-1])["val_accuracy"] == finetune["val_accuracy"]
 
     code, lines, _ = run_cli(capsys, "embed", "--model", str(tmp_path / "mlm"), "thou art fair")
     assert code == 0 and len(json.loads(lines[0])) == 16
 
 
+def test_the_older_spellings_run_the_same_recipes(capsys, tmp_path, text_file):
+    args = ["--data", str(text_file), "--vocab-size", "60", "--seq-len", "12", "--max-steps", "2",
+            *TINY_MODEL, *TINY_TRAINING]
+    code, lines, _ = run_cli(capsys, "bert", "pretrain", "--out", str(tmp_path / "old"), *args)
+    assert code == 0
+    old = json.loads(lines[-1])
+    code, lines, _ = run_cli(capsys, "train", "--preset", "bert-pretrain", "--out", str(tmp_path / "new"), *args)
+    assert code == 0 and json.loads(lines[-1])["val_loss"] == old["val_loss"]
+    code, lines, err = run_cli(capsys, "bert")
+    assert code == 2 and lines == [] and "usage: plainformer bert" in err and "pretrain" in err
+
+
 def test_pretrain_resumed_midway_ends_where_an_uninterrupted_run_does(capsys, tmp_path, text_file):
     def pretrain(out: Path, steps: int, *extra: str) -> dict:
-        code, lines, _ = run_cli(capsys, "bert", "pretrain", "--data", str(text_file), "--out", str(out),
-                                 "--vocab-size", "60", "--seq-len", "12", "--max-steps", str(steps),
-                                 "--save-interval", "3", "--decay-steps", "6",  # one schedule for both
+        code, lines, _ = run_cli(capsys, "train", "--preset", "bert-pretrain", "--data", str(text_file),
+                                 "--out", str(out), "--vocab-size", "60", "--seq-len", "12",
+                                 "--max-steps", str(steps), "--save-interval", "3",
+                                 "--decay-steps", "6",  # one schedule for both
                                  *TINY_MODEL, *TINY_TRAINING, *extra)
         assert code == 0
         return json.loads(lines[-1])
@@ -130,8 +158,13 @@ def test_pretrain_resumed_midway_ends_where_an_uninterrupted_run_does(capsys, tm
     (["search", "--corpus", "no/such/file.txt", "query"], "corpus file not found"),
     (["search", "--corpus", "x", "--k", "0", "query"], "--k"),
     (["embed", "--model", "no/such/model", "text"], "no model directory"),
-    (["embed", "--out", "e.txt", "text"], ".npy"),
+    (["embed", "--npy", "e.txt", "text"], ".npy"),
+    (["finetune", "--plays", "Macbeth", "Hamlet II"], "Hamlet II"),
     (["bert", "finetune", "--plays", "Macbeth", "Hamlet II"], "Hamlet II"),
+    (["finetune", "--n-layers", "3"], "fine-tuning keeps the shape of --init"),
+    (["finetune", "--preset", "bert-pretrain"], "bert-finetune"),
+    (["train", "--preset", "bert-pretrain", "--tokenizer", "bpe"], "--tokenizer applies to gpt"),
+    (["train", "--preset", "bert-pretrain", "--seq-len", "500"], "--seq-len must be in [3, max_len=128]"),
 ])
 def test_user_errors_print_one_line_and_exit_2(capsys, argv, message):
     code, lines, err = run_cli(capsys, *argv)

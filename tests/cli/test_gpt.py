@@ -1,4 +1,5 @@
-"""The GPT command line end to end on a tiny model: train -> eval -> sample, resume, Ctrl-C, errors."""
+"""The GPT command line end to end on a tiny model: train -> eval -> sample, --config files and the
+run's recipe.yaml, resume, Ctrl-C, errors."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+import plainformer as pf
 from plainformer.cli import main
 
 TINY_MODEL = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16"]
@@ -63,13 +66,29 @@ def test_train_eval_sample_round_trip(capsys, text_file: Path, tmp_path: Path):
 
     samples = []
     for _ in range(2):
-        code, stdout, _ = run_cli(capsys, "sample", "--ckpt", str(tmp_path / "run"), "--prompt", "To be",
-                                  "--max-new-tokens", "30", "--seed", "7")
+        code, stdout, stderr = run_cli(capsys, "sample", "--ckpt", str(tmp_path / "run"), "--prompt", "To be",
+                                       "--max-new-tokens", "30", "--seed", "7")
         assert code == 0
-        samples.append(stdout.rsplit("\n", 2)[0])
-        assert last_json(stdout)["new_tokens"] == 30
+        samples.append(stdout)
+        assert last_json(stderr)["new_tokens"] == 30
     assert samples[0] == samples[1]
     assert samples[0].startswith("To be")
+
+
+def test_sample_stdout_is_the_text_alone(capsys, text_file: Path, tmp_path: Path):
+    train(capsys, text_file, tmp_path / "run", "--max-steps", "3")
+    model = pf.GPT.from_checkpoint(tmp_path / "run" / "best")
+    prompt = torch.tensor([model.tokenizer.encode("To be")])
+    expected = model.generate(prompt, 25, temperature=0.8, generator=torch.Generator().manual_seed(5))
+    code, stdout, stderr = run_cli(capsys, "sample", "--ckpt", str(tmp_path / "run"), "--prompt", "To be",
+                                   "--max-new-tokens", "25", "--seed", "5")
+    assert code == 0
+    assert stdout == model.tokenizer.decode(expected[0].tolist()) + "\n"
+    assert last_json(stderr)["new_tokens"] == 25
+    code, with_json, _ = run_cli(capsys, "sample", "--ckpt", str(tmp_path / "run"), "--prompt", "To be",
+                                 "--max-new-tokens", "25", "--seed", "5", "--json")
+    text, metrics = with_json.rstrip("\n").rsplit("\n", 1)
+    assert text + "\n" == stdout and json.loads(metrics)["new_tokens"] == 25
 
 
 def test_sample_with_and_without_cache_writes_the_same_text(capsys, text_file: Path, tmp_path: Path):
@@ -78,8 +97,63 @@ def test_sample_with_and_without_cache_writes_the_same_text(capsys, text_file: P
     for flags in ([], ["--no-cache"]):
         code, stdout, _ = run_cli(capsys, "sample", "--ckpt", str(tmp_path / "run"), "--max-new-tokens", "40",
                                   "--seed", "3", *flags)
-        texts.append(stdout.rsplit("\n", 2)[0])
+        texts.append(stdout)
     assert texts[0] == texts[1]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "last" / "model.safetensors")
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[name], wb[name]) for name in wa)
+
+
+def test_the_written_recipe_repeats_the_run(capsys, text_file: Path, tmp_path: Path):
+    first = train(capsys, text_file, tmp_path / "first", "--max-steps", "4", "--lr", "3e-3")
+    recipe = yaml.safe_load((tmp_path / "first" / "recipe.yaml").read_text())
+    assert recipe["preset"] == "default" and recipe["lr"] == 3e-3 and recipe["n_layers"] == 1
+    assert recipe["data"] == str(text_file) and "vocab_size" in recipe and "out" not in recipe
+    code, stdout, _ = run_cli(capsys, "train", "--config", str(tmp_path / "first" / "recipe.yaml"),
+                              "--out", str(tmp_path / "again"), "--no-progress")
+    again = last_json(stdout)
+    assert code == 0 and again["val_loss"] == first["val_loss"] and again["train_loss"] == first["train_loss"]
+    assert _same_weights(tmp_path / "first", tmp_path / "again")
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_sets_flags_and_the_command_line_wins(capsys, text_file: Path, tmp_path: Path, suffix):
+    values = {"data": str(text_file), "n-layers": 1, "n_heads": 2, "d_model": 32, "d_ff": 64,
+              "block_size": 16, "batch_size": 4, "eval_batches": 2, "warmup_steps": 2,
+              "max_steps": 5, "lr": "2e-3", "seed": 11}
+    config = tmp_path / f"run{suffix}"
+    config.write_text(yaml.safe_dump(values) if suffix == ".yaml" else json.dumps(values))
+    code, stdout, _ = run_cli(capsys, "train", "--config", str(config), "--out", str(tmp_path / "file"),
+                              "--max-steps", "3", "--no-progress")
+    assert code == 0 and last_json(stdout)["step"] == 3  # the flag beat the file's max_steps: 5
+    written = yaml.safe_load((tmp_path / "file" / "recipe.yaml").read_text())
+    assert written["max_steps"] == 3 and written["lr"] == 2e-3 and written["seed"] == 11
+    assert written["n_layers"] == 1 and written["d_model"] == 32
+    flags = train(capsys, text_file, tmp_path / "flags", "--max-steps", "3", "--lr", "2e-3", "--seed", "11",
+                  "--eval-interval", "250", "--log-interval", "10")
+    assert _same_weights(tmp_path / "file", tmp_path / "flags") and last_json(stdout)["val_loss"] == flags["val_loss"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("n_layer: 2\n", "unknown key 'n_layer'"),
+    ("n_layers: two\n", "n_layers"),
+    ("- 1\n- 2\n", "mapping"),
+    ("tokenizer: wordpiece\n", "tokenizer"),
+    ("task: copy\n", "--task applies to transformer"),
+])
+def test_bad_config_files_are_one_clear_error(capsys, tmp_path: Path, content: str, message: str):
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    code, stdout, stderr = run_cli(capsys, "train", "--config", str(config))
+    assert code == 2 and stdout == ""
+    assert stderr.startswith("plainformer: error:") and message in stderr
+    assert len(stderr.strip().splitlines()) == 1
 
 
 def test_resume_continues_to_the_same_weights_as_one_run(capsys, text_file: Path, tmp_path: Path):
@@ -90,9 +164,17 @@ def test_resume_continues_to_the_same_weights_as_one_run(capsys, text_file: Path
     assert resumed["step"] == 8
     assert resumed["train_loss"] == whole["train_loss"]
     assert resumed["val_loss"] == whole["val_loss"]
-    weights = [load_file(tmp_path / run / "last" / "model.safetensors") for run in ("whole", "split")]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert _same_weights(tmp_path / "whole", tmp_path / "split")
+
+
+def test_resume_refuses_changed_model_fields(capsys, text_file: Path, tmp_path: Path):
+    train(capsys, text_file, tmp_path / "run", "--max-steps", "2")
+    code, stdout, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--resume",
+                                   "--d-model", "64", "--max-steps", "4")
+    assert code == 2 and stdout == "" and "d_model" in stderr and "--resume" in stderr
+    code, stdout, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--resume",
+                                   "--preset", "nanogpt-cpu")
+    assert code == 2 and stdout == "" and "preset" in stderr and "--resume" in stderr
 
 
 def test_unknown_prompt_character_is_one_clear_error_line(capsys, text_file: Path, tmp_path: Path):
@@ -109,6 +191,12 @@ def test_unknown_prompt_character_is_one_clear_error_line(capsys, text_file: Pat
     (["train", "--data", "missing.txt"], "missing.txt"),
     (["train", "--max-steps", "0"], "max_steps"),
     (["train", "--d-model", "30", "--n-heads", "4"], "d_model"),
+    (["train", "--preset", "gpt3"], "unknown preset 'gpt3'; choose one of default, nanogpt-cpu"),
+    (["train", "--seq-len", "12"], "--seq-len applies to bert-mlm, bert-cls"),
+    (["train", "--max-len", "12"], "not a field of GPTConfig"),
+    (["train", "--vocab-size", "100"], "char tokenizer"),
+    (["train", "--config", "missing.yaml"], "missing.yaml"),
+    (["finetune", "--preset", "default"], "bert-finetune"),
 ])
 def test_user_errors_exit_2_with_one_line(capsys, text_file: Path, argv: list[str], expected: str):
     code, stdout, stderr = run_cli(capsys, *argv)

@@ -1,99 +1,99 @@
-"""`plainformer seq2seq train | eval` and `plainformer translate`, end to end on the copy task:
-trained with its defaults it copies the whole test split exactly within 60 s of CPU time (its wall
-time on 2 idle cores; on a machine shared with other work the wall clock says more about the others);
-each command ends with one JSON line on stdout; user mistakes exit with status 2 and one line on stderr."""
+"""The encoder-decoder through the real command line, end to end on the copy task: `train --preset
+seq2seq-copy` with the recipe's defaults copies the whole test split exactly; `eval` and `translate`
+read the run back; the older spellings `seq2seq train | eval` still work; user mistakes exit with
+status 2 and one line on stderr."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import io
 import json
+import shutil
 import sys
-import time
 
 import pytest
 
-import plainformer.cli
-from plainformer.cli import seq2seq
-
-
-def _parser_with_seq2seq() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plainformer")
-    seq2seq.register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return parser
-
-
-@pytest.fixture(autouse=True)
-def seq2seq_parser(monkeypatch):
-    """plainformer's main with the seq2seq commands registered on its parser."""
-    monkeypatch.setattr(plainformer.cli, "build_parser", _parser_with_seq2seq)
+from plainformer.cli import main
 
 
 def _run(capsys, *argv: str) -> tuple[int, list[str], str]:
     """(exit status, stdout lines, stderr) of `plainformer ARGV`."""
-    status = plainformer.cli.main(list(argv))
+    status = main(list(argv))
     out, err = capsys.readouterr()
     return status, out.splitlines(), err
 
 
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory):
-    """`plainformer seq2seq train --task copy --out DIR`: (DIR, status, stdout lines, CPU s, wall s)."""
+    """`plainformer train --preset seq2seq-copy --out DIR`: (DIR, status, stdout lines)."""
     out = tmp_path_factory.mktemp("copy")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plainformer.cli, "build_parser", _parser_with_seq2seq)
-        stdout = io.StringIO()
-        patch.setattr(sys, "stdout", stdout)
-        cpu, wall = time.process_time(), time.perf_counter()
-        status = plainformer.cli.main(["seq2seq", "train", "--task", "copy", "--out", str(out)])
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return out, status, stdout.getvalue().splitlines(), cpu, wall
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        status = main(["train", "--preset", "seq2seq-copy", "--out", str(out), "--no-progress"])
+    return out, status, stdout.getvalue().splitlines()
 
 
-def test_train_copy_with_defaults_copies_the_test_split_exactly_in_under_60_s(copy_run):
-    out, status, lines, cpu, wall = copy_run
+def test_train_copy_recipe_copies_the_test_split_exactly(copy_run):
+    out, status, lines = copy_run
     assert status == 0 and len(lines) == 1
     metrics = json.loads(lines[0])
     assert metrics["test_exact_match"] == 1.0 and metrics["test_sentences"] == 500
     assert metrics["task"] == "copy" and metrics["step"] == 900
-    assert cpu < 60, f"took {cpu:.1f} s of CPU time ({wall:.1f} s wall)"
-    assert (out / "best" / "model.safetensors").is_file() and (out / "task.json").is_file()
+    assert (out / "best" / "model.safetensors").is_file() and (out / "recipe.yaml").is_file()
 
 
-@pytest.mark.parametrize("beam", ["1", "4"])
-def test_eval_scores_the_runs_task_on_its_test_split(copy_run, capsys, beam):
-    out = copy_run[0]
-    status, lines, err = _run(capsys, "seq2seq", "eval", "--ckpt", str(out), "--beam", beam)
+@pytest.mark.parametrize("command, beam", [(["eval"], "1"), (["eval"], "4"), (["seq2seq", "eval"], "4")])
+def test_eval_scores_the_runs_task_on_its_test_split(copy_run, capsys, command, beam):
+    status, lines, err = _run(capsys, *command, "--ckpt", str(copy_run[0]), "--beam", beam)
     assert status == 0 and len(lines) == 1
     metrics = json.loads(lines[0])
     assert metrics["exact_match"] == 1.0 and metrics["beam"] == int(beam) and metrics["task"] == "copy"
+    assert metrics["split"] == "test" and metrics["sentences"] == 500
     assert "exact match 100.00%" in err
 
 
-def test_translate_text_and_stdin_lines(copy_run, capsys, monkeypatch):
+def test_translate_prints_only_the_translations(copy_run, capsys, monkeypatch):
     out = copy_run[0]
-    status, lines, _ = _run(capsys, "translate", "--ckpt", str(out / "best"), "--beam", "4", "jihgfedcba")
-    assert status == 0 and lines[0] == "jihgfedcba" and json.loads(lines[1])["sentences"] == 1
+    status, lines, err = _run(capsys, "translate", "--ckpt", str(out / "best"), "--beam", "4", "jihgfedcba")
+    assert status == 0 and lines == ["jihgfedcba"]
+    assert json.loads(err.strip().splitlines()[-1])["sentences"] == 1
     monkeypatch.setattr(sys, "stdin", io.StringIO("abc\n\ncab\n"))
-    status, lines, _ = _run(capsys, "translate", "--ckpt", str(out))
+    status, lines, _ = _run(capsys, "translate", "--ckpt", str(out), "--json")
     assert status == 0 and lines[:3] == ["abc", "", "cab"] and json.loads(lines[3])["sentences"] == 3
+    assert len(lines) == 4
 
 
-def test_resume_continues_to_the_new_max_steps(copy_run, capsys, tmp_path):
-    import shutil
-
+@pytest.mark.parametrize("argv", [
+    ["train", "--preset", "seq2seq-copy"],
+    ["seq2seq", "train", "--task", "copy"],  # the older spelling picks the task's recipe
+])
+def test_resume_continues_to_the_new_max_steps(copy_run, capsys, tmp_path, argv):
     run = tmp_path / "run"
     shutil.copytree(copy_run[0], run)
-    status, lines, _ = _run(capsys, "seq2seq", "train", "--task", "copy", "--out", str(run), "--resume",
-                            "--max-steps", "910", "--no-progress")
-    assert status == 0 and json.loads(lines[0])["step"] == 910
+    status, lines, _ = _run(capsys, *argv, "--out", str(run), "--resume", "--max-steps", "910",
+                            "--no-progress")
+    assert status == 0
+    metrics = json.loads(lines[0])
+    assert metrics["step"] == 910 and metrics["task"] == "copy"
+
+
+def test_resume_refuses_a_changed_model_or_task(copy_run, capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(copy_run[0], run)
+    for extra, named in ((["--d-model", "128"], "d_model"), (["--task", "reverse"], "task")):
+        status, lines, err = _run(capsys, "train", "--preset", "seq2seq-copy", "--out", str(run),
+                                  "--resume", *extra)
+        assert status == 2 and not lines and named in err and "--resume" in err
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["eval", "--ckpt", "/nonexistent/run"], "no checkpoint"),
     (["seq2seq", "eval", "--ckpt", "/nonexistent/run"], "no checkpoint"),
     (["translate", "--ckpt", "/nonexistent/run", "abc"], "no checkpoint"),
-    (["seq2seq", "train", "--task", "copy", "--threads", "0"], "--threads"),
-    (["seq2seq", "train", "--task", "copy", "--d-model", "30"], "d_model"),
+    (["train", "--preset", "seq2seq-copy", "--threads", "0"], "--threads"),
+    (["train", "--preset", "seq2seq-copy", "--d-model", "30"], "d_model"),
+    (["train", "--preset", "seq2seq-copy", "--block-size", "8"], "TransformerConfig"),
+    (["train", "--preset", "seq2seq-copy", "--tokenizer", "bpe"], "--tokenizer applies to gpt"),
 ])
 def test_user_errors_exit_2_with_one_line(capsys, argv, message):
     status, lines, err = _run(capsys, *argv)
@@ -101,12 +101,20 @@ def test_user_errors_exit_2_with_one_line(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_eval_of_a_checkpoint_without_task_file_asks_for_task(copy_run, capsys, tmp_path):
-    import shutil
+def test_eval_flags_of_another_family_are_refused(copy_run, capsys):
+    status, lines, err = _run(capsys, "eval", "--ckpt", str(copy_run[0]), "--dtype", "bfloat16")
+    assert status == 2 and not lines and "--dtype applies to gpt" in err
 
+
+def test_eval_of_a_checkpoint_without_its_recipe_asks_for_task(copy_run, capsys, tmp_path):
     shutil.copytree(copy_run[0] / "best", tmp_path / "lonely" / "ckpt")
-    status, _, err = _run(capsys, "seq2seq", "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"))
+    status, _, err = _run(capsys, "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"))
     assert status == 2 and "--task" in err
-    status, lines, _ = _run(capsys, "seq2seq", "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"),
-                            "--task", "copy")
+    status, lines, _ = _run(capsys, "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"), "--task", "copy")
     assert status == 0 and json.loads(lines[0])["exact_match"] == 1.0
+
+
+def test_the_group_without_a_command_prints_its_own_help(capsys):
+    status, lines, err = _run(capsys, "seq2seq")
+    assert status == 2 and not lines
+    assert "usage: plainformer seq2seq" in err and "translate" not in err

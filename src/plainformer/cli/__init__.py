@@ -1,37 +1,73 @@
-"""The `plainformer` command line.
+"""The `plainformer` command line: verbs at the top level, the model family taken from the recipe
+(`--preset`) or from the checkpoint (`--ckpt`).
 
-Every command ends by printing one JSON line of metrics on stdout; progress and logs go to stderr.
-A mistake a user can make (a bad path, a bad value) prints one line `plainformer: error: ...` and
-exits with status 2, without a traceback; Ctrl-C exits with 130.
+`train` and `eval` end by printing one JSON line of metrics on stdout. Commands whose stdout is their
+product (`sample`, `translate`, `embed`, `search`) print only that product there, and their metrics
+as one JSON line on stderr, or as the last line of stdout with `--json`. Progress and logs go to
+stderr. A mistake a user can make (a bad path, a bad value) prints one line `plainformer: error: ...`
+and exits with status 2, without a traceback; Ctrl-C exits with 130.
 
-Each model family registers its subcommands from its own module (`gpt`, `seq2seq`, `bert`).
+Each module of `COMMAND_MODULES` registers its commands through `register(subcommands)`; a new
+command is a new module listed there.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
+
 from .. import __version__
 from ..config import Config
 from ..training.trainer import TrainingInterrupted
-
-Command = Callable[[argparse.Namespace], dict[str, Any]]
 
 
 class UserError(Exception):
     """An error the user can fix; printed as one line, exit status 2."""
 
 
-def emit_metrics(metrics: dict[str, Any]) -> None:
-    """The command's last word: one JSON line on stdout."""
-    sys.stdout.write(json.dumps(metrics, sort_keys=True) + "\n")
-    sys.stdout.flush()
+COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf")
+
+
+def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
+    """The command's last word: one JSON line, on stdout unless `stream` says otherwise."""
+    stream = stream or sys.stdout
+    stream.write(json.dumps(metrics, sort_keys=True) + "\n")
+    stream.flush()
+
+
+def add_product_arguments(parser: argparse.ArgumentParser) -> None:
+    """For commands whose stdout is their product: metrics go to stderr unless --json."""
+    parser.add_argument("--json", action="store_true",
+                        help="end stdout with one JSON line of metrics (default: metrics on stderr)")
+    parser.set_defaults(product=True)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, default_doc: str = "torch's") -> None:
+    parser.add_argument("--threads", type=int, help=f"torch.set_num_threads (default: {default_doc})")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+            raise UserError(f"--threads must be a positive integer, got {threads}")
+        torch.set_num_threads(threads)
+
+
+INFERENCE_DTYPES = ("float32", "bfloat16")
+DTYPE_HELP = "precision to compute in: float32 or bfloat16"
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=INFERENCE_DTYPES, default="float32",
+                        help=f"{DTYPE_HELP} (default: %(default)s)")
 
 
 def log(message: str) -> None:
@@ -44,30 +80,35 @@ def _option_type(annotation: Any) -> type:
     return arguments[0] if arguments else annotation
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Config], *,
-                         skip: Iterable[str] = (), title: str | None = None) -> None:
-    """One option per config field, `--n-layers` for `n_layers`, defaulting to "not given".
+def field_type(config_cls: type[Config], name: str) -> type:
+    return _option_type(typing.get_type_hints(config_cls)[name])
+
+
+def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                         config_cls: type[Config], *, skip: Iterable[str] = (), title: str | None = None,
+                         help: Callable[[str], str | None] = lambda name: None) -> list[str]:
+    """One option per config field, `--n-layers` for `n_layers`, defaulting to "not given"; returns
+    the fields added. Given a group, the options go into it; given a parser, into a new group.
 
     The value then comes from the preset unless the option is given, so the CLI maps 1:1 onto the
     config. Booleans take `--bias/--no-bias`.
     """
-    group = parser.add_argument_group(title or f"{config_cls.__name__} fields")
-    hints = typing.get_type_hints(config_cls)
+    group = parser if isinstance(parser, argparse._ArgumentGroup) else \
+        parser.add_argument_group(title or f"{config_cls.__name__} fields")
+    added = []
     for field in dataclasses.fields(config_cls):
         if field.name in skip:
             continue
-        kind = _option_type(hints[field.name])
+        kind = field_type(config_cls, field.name)
         flag = "--" + field.name.replace("_", "-")
         if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help(field.name))
         else:
-            group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=kind.__name__.upper())
-
-
-def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict[str, Any]:
-    """The config fields given on the command line."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)
-            if getattr(args, f.name, None) is not None}
+            group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=kind.__name__.upper(),
+                               help=help(field.name))
+        added.append(field.name)
+    return added
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -78,16 +119,29 @@ def checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import bert, gpt, hf, seq2seq
+def run_and_checkpoint(path: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) from a run directory (its best/, else last/) or a
+    checkpoint directory inside one."""
+    checkpoint = checkpoint_dir(path)
+    return (path if checkpoint != path else path.parent), checkpoint
 
+
+def add_group(subcommands: argparse._SubParsersAction, name: str, **kwargs: Any
+              ) -> argparse._SubParsersAction:
+    """A command group (`plainformer bert ...`): with no subcommand it prints its own help."""
+    group = subcommands.add_parser(name, **kwargs)
+    group.set_defaults(help_of=group)
+    return group.add_subparsers(dest=f"{name}_command", metavar="COMMAND")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plainformer",
         description="Train, evaluate and sample Transformers built from first principles.")
     parser.add_argument("--version", action="version", version=f"plainformer {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (gpt, seq2seq, bert, hf):
-        module.register(subcommands)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}").register(subcommands)
     return parser
 
 
@@ -95,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        parser.print_help(sys.stderr)
+        getattr(args, "help_of", parser).print_help(sys.stderr)
         return 2
     try:
         metrics = args.run(args)
@@ -112,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         log(f"plainformer: error: {error}")
         return 2
-    emit_metrics(metrics)
+    product = getattr(args, "product", False)
+    emit_metrics(metrics, sys.stderr if product and not args.json else sys.stdout)
     return 0
 
 

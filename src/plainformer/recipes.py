@@ -1,0 +1,110 @@
+"""Every named training recipe, for every model family, in one place.
+
+A recipe is what `plainformer train --preset NAME` runs: the model family, the model config, the
+`TrainConfig`, and the family's data options (tokenizer, task, sequence length, ...). Options given on
+the command line or in a `--config` file override its fields one by one.
+
+    from plainformer import recipes
+    recipe = recipes.get("seq2seq-copy")
+    recipe.family, recipe.model.d_model, recipe.train.lr, recipe.options["task"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from .config import Config
+from .data.classification import DEFAULT_PLAYS
+from .models.bert import BertConfig
+from .models.gpt import GPTConfig
+from .models.transformer import TransformerConfig
+from .training.config import TrainConfig
+
+#: Families, named as checkpoints name them (`config.json`'s "family").
+FAMILIES = ("gpt", "bert-mlm", "bert-cls", "transformer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """name -> (family, model config, TrainConfig, data options). `model` is None when the model comes
+    from the `init` option (fine-tuning a pretrained one)."""
+
+    name: str
+    family: str
+    model: Config | None
+    train: TrainConfig
+    options: Mapping[str, Any]
+    summary: str
+
+
+def _gpt(name: str, summary: str, **train: Any) -> Recipe:
+    return Recipe(name, "gpt", GPTConfig.from_preset(name), TrainConfig(**train),
+                  {"tokenizer": "char"}, summary)
+
+
+def _seq2seq(task: str, model_preset: str, train: TrainConfig, summary: str) -> Recipe:
+    # The small models run faster on one thread than on two shared cores: intra-op parallelism
+    # cannot pay for its synchronisation on ops this small (see benchmarks/seq2seq.py).
+    return Recipe(f"seq2seq-{task}", "transformer", TransformerConfig.from_preset(model_preset), train,
+                  {"task": task, "threads": 1}, summary)
+
+
+# The symbol tasks learn fastest with a short cosine schedule and Adam(0.9, 0.98, 1e-9), chosen by
+# experiment: `copy` is copied exactly after 900 steps.
+_SYMBOL_TRAINING = TrainConfig(
+    schedule="cosine", lr=7e-3, min_lr=1e-4, warmup_steps=50, max_steps=900, batch_size=64, beta1=0.9,
+    beta2=0.98, eps=1e-9, weight_decay=0.0, grad_clip=0.0, eval_interval=0, save_interval=0,
+    eval_batches=4, log_interval=50)
+
+_RECIPES = [
+    _gpt("default", "GPT, 3.2M parameters, character-level Shakespeare in about 5 minutes on 2 cores "
+                    "(README, 'Choosing the default')",
+         max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
+         weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=20, dtype="bfloat16"),
+    _gpt("nanogpt-cpu", "nanoGPT's CPU recipe for Shakespeare characters (its README, "
+                        "'I only have a macbook')",
+         max_steps=2000, batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
+         weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batches=20),
+    _gpt("shakespeare-char", "nanoGPT's config/train_shakespeare_char.py",
+         max_steps=5000, batch_size=64, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
+         weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batches=200),
+    # nanoGPT's config/train_gpt2.py: 12 x 1024 tokens x 40 accumulation steps (5 per GPU on 8).
+    dataclasses.replace(
+        _gpt("gpt2", "GPT-2 small (124M) with nanoGPT's config/train_gpt2.py; use --tokenizer bpe",
+             max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
+             warmup_steps=2000, beta2=0.95, weight_decay=0.1, grad_clip=1.0, eval_interval=1000,
+             eval_batches=200, save_interval=1000, dtype="bfloat16"),
+        options={"tokenizer": "bpe", "vocab_size": 50257}),
+    Recipe("bert-pretrain", "bert-mlm", BertConfig.from_preset("tiny"),
+           TrainConfig(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                       weight_decay=0.01, beta2=0.999, eval_interval=250, eval_batches=10,
+                       save_interval=250),
+           {"vocab_size": 4096, "seq_len": 128},
+           "BERT-tiny masked-LM pretraining on the bundled corpus, minutes on 2 cores"),
+    Recipe("bert-finetune", "bert-cls", None,
+           TrainConfig(max_steps=300, batch_size=32, lr=5e-5, min_lr=0.0, warmup_steps=30,
+                       weight_decay=0.01, beta2=0.999, eval_interval=100, save_interval=100),
+           {"init": "minilm", "plays": list(DEFAULT_PLAYS), "seq_len": 64},
+           "fine-tune a BERT (default: MiniLM) to tell which play a line comes from"),
+    _seq2seq("copy", "tiny", _SYMBOL_TRAINING, "copy random symbol strings; exact in 900 steps"),
+    _seq2seq("reverse", "tiny", _SYMBOL_TRAINING, "reverse random symbol strings"),
+    # The paper's optimizer and schedule (section 5.3), warmup scaled down to runs of minutes.
+    _seq2seq("numbers-en-fr", "small",
+             TrainConfig.from_preset("transformer-paper", schedule_d_model=128, warmup_steps=400,
+                                     max_steps=2000, batch_size=64, eval_interval=400,
+                                     save_interval=400, eval_batches=8, log_interval=50),
+             "English number words -> French with the paper's optimizer and schedule"),
+]
+RECIPES: Mapping[str, Recipe] = {recipe.name: recipe for recipe in _RECIPES}
+
+
+def names(family: str | None = None) -> list[str]:
+    """Recipe names, in registry order; only `family`'s when given."""
+    return [name for name, recipe in RECIPES.items() if family is None or recipe.family == family]
+
+
+def get(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]

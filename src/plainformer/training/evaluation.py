@@ -1,0 +1,103 @@
+"""Evaluation of trained models: language-model validation loss, accuracy, BLEU.
+
+Each function puts the model in eval mode for the call (dropout off) and restores its mode after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100  # labels that are not scored (F.cross_entropy's default ignore_index)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode and without autograd inside the block, in its previous mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch_size: int
+                    ) -> tuple[float, int]:
+    """Mean next-token cross entropy over every token of `tokens` after the first:
+
+        loss = -1/(N-1) · Σ_{t=1}^{N-1} log p(x_t | x_{w(t)} .. x_{t-1}),
+
+    predicted in consecutive windows of `block_size` tokens, each starting its context afresh
+    (w(t) = the start of t's window). `model(idx)` maps (B, T) token ids to (B, T, V) logits first.
+    Returns (loss, tokens scored = N - 1)."""
+    n_full = (len(tokens) - 1) // block_size
+    full = np.asarray(tokens[:n_full * block_size + 1], dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(full, block_size + 1)[::block_size]  # (W, T + 1)
+    chunks = [windows[i:i + batch_size] for i in range(0, n_full, batch_size)]
+    tail = np.asarray(tokens[n_full * block_size:], dtype=np.int64)
+    if len(tail) > 1:
+        chunks.append(tail[None])  # (1, < T + 1)
+    total, count = 0.0, 0
+    with eval_mode(model):
+        for chunk in chunks:
+            batch = torch.from_numpy(np.array(chunk))  # (B, T + 1), a writable copy
+            logits = model(batch[:, :-1])[0]  # (B, T, V)
+            total += float(torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+            count += batch[:, 1:].numel()
+    return total / count, count
+
+
+def accuracy(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> float:
+    """Fraction of labelled targets (labels != -100) whose argmax logit is right, over the validation
+    batches 0 .. n_batches-1 of `source` (`get_batch("val", index, batch_size)`). `model(**batch)`
+    returns (logits, loss) with logits (N, C) for the N labelled targets of the batch in order: the
+    masked tokens of a masked LM, the lines of a classifier."""
+    correct = total = 0
+    with eval_mode(model):
+        for index in range(n_batches):
+            batch = source.get_batch("val", index, batch_size)
+            logits, _ = model(**batch)
+            labels = batch["labels"]
+            targets = labels[labels != IGNORE_INDEX]  # (N,)
+            correct += int((logits.argmax(dim=-1) == targets).sum())
+            total += targets.numel()
+    if total == 0:
+        raise ValueError(f"accuracy needs labelled targets; the {n_batches} validation batches have none")
+    return correct / total
+
+
+def score_translations(model: nn.Module, sources: Sequence[str], references: Sequence[str], *,
+                       beam_size: int = 1, length_penalty: float = 0.6, batch_size: int = 100
+                       ) -> dict[str, Any]:
+    """Translate `sources` with `model.translate` and compare with `references`: corpus BLEU
+    (sacrebleu, 13a tokenisation, 0 .. 100) and the fraction of sentences translated exactly."""
+    import sacrebleu
+
+    if len(sources) != len(references) or not references:
+        raise ValueError(f"sources and references must be equally long and non-empty, got "
+                         f"{len(sources)} and {len(references)}")
+    start = time.perf_counter()
+    with eval_mode(model):
+        hypotheses = model.translate(list(sources), beam_size=beam_size, length_penalty=length_penalty,
+                                     batch_size=batch_size)
+    elapsed = time.perf_counter() - start
+    exact = sum(h == r for h, r in zip(hypotheses, references)) / len(references)
+    bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
+    return {"bleu": bleu, "exact_match": exact, "sentences": len(references), "beam": beam_size,
+            "decode_s": elapsed, "sentences_per_s": len(references) / max(elapsed, 1e-9)}
+
+
+def mean_loss(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> float:
+    """Mean of the losses `model(**batch)` returns over the validation batches 0 .. n_batches-1 of
+    `source`: the trainer's validation loss, computed in the weights' precision."""
+    with eval_mode(model):
+        losses = [model(**source.get_batch("val", index, batch_size))[1].float() for index in range(n_batches)]
+    return float(torch.stack(losses).mean())
