@@ -19,7 +19,7 @@ from plainformer.models.sentence import SentenceEncoder
 
 TINY_MODEL = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--max-len", "32"]
 TINY_TRAINING = ["--batch-size", "4", "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "1",
-                 "--log-interval", "3", "--no-progress"]
+                 "--log-interval", "3", "--no-progress", "--dtype", "float32"]
 TEXTS = ["Good night, sweet prince.", "The rest is silence."]
 
 
