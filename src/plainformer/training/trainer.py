@@ -33,6 +33,7 @@ from ..io.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from ..io.run_lock import run_lock
 from .config import TrainConfig
 from .optim import lr_at, make_optimizer
 from .plots import plot_loss_curve
@@ -136,6 +137,8 @@ class Trainer:
         self._elapsed_before = 0.0
         self._session_start = time.perf_counter()
         self._val_batches: list[dict[str, Tensor]] | None = None
+        self._evaluated_step = self._saved_step = None  # the steps of the latest evaluation, save of last/
+        self._unlogged = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
@@ -159,11 +162,14 @@ class Trainer:
             val_loss, elapsed_before = state["val_loss"], state["elapsed_s"]
         except KeyError as e:
             raise CheckpointError(f"{path / 'trainer_state.json'} lacks {e}") from None
+        _check_trainer_state(path, state)
         ckpt.restore_model(self.model)
         ckpt.restore_optimizer(self.optimizer)
         self.step, self.data_position = step, data_position
         self.best_val_loss, self.train_loss, self.val_loss = best_val_loss, train_loss, val_loss
         self._elapsed_before = elapsed_before
+        self._evaluated_step, self._saved_step = state.get("evaluated_step"), step
+        self._unlogged = state.get("log_window", self._unlogged)
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
     def _start_rng(self) -> None:
@@ -229,15 +235,19 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
         tokens_per_s (input tokens per second of training steps), elapsed_s and stopped_by.
-        Raises TrainingInterrupted after Ctrl-C, with `last/` saved."""
+        Raises TrainingInterrupted after Ctrl-C, with `last/` saved. The run directory is locked
+        meanwhile: a second run on it raises RunDirectoryBusy."""
+        with run_lock(self.out_dir):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_rng()
         _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
-        watch, window = _Stopwatch(self.device), _LogWindow(self.device)
-        evaluated = saved = None  # the steps of this session's latest evaluation and save of last/
+        watch, window = _Stopwatch(self.device), _LogWindow(self.device, **self._unlogged)
+        self._window = window
         stopped_by, grad_norm = "max_steps", None
         with _InterruptRequest() as interrupt, open(self.metrics_path, "a") as self._log, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not self.progress,
@@ -254,18 +264,18 @@ class Trainer:
                 if self.step % cfg.log_interval == 0 or interrupt.requested:
                     self._log_train(window, watch.total, grad_norm, bar)
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                    evaluated = self._evaluate_and_keep_best()
+                    self._evaluate_and_keep_best()
                 if (cfg.save_interval and self.step % cfg.save_interval == 0) or interrupt.requested:
-                    saved = self._save_last()
+                    self._save_last()
                 if interrupt.requested:
                     bar.close()
                     plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
                     raise TrainingInterrupted(self.step, self.out_dir / "last")
             if window.steps:
                 self._log_train(window, watch.total, grad_norm, bar)
-            if evaluated != self.step:
+            if self._evaluated_step != self.step:
                 self._evaluate_and_keep_best()
-            if saved != self.step:
+            if self._saved_step != self.step:
                 self._save_last()
         plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
@@ -289,17 +299,17 @@ class Trainer:
                      elapsed_s=self._elapsed(), **extra)
         bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}")
 
-    def _evaluate_and_keep_best(self) -> int:
+    def _evaluate_and_keep_best(self) -> None:
         self.val_loss = self.evaluate()
+        self._evaluated_step = self.step
         self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
         if self.best_val_loss is None or self.val_loss < self.best_val_loss:
             self.best_val_loss = self.val_loss
             self._save("best", with_optimizer=False)
-        return self.step
 
-    def _save_last(self) -> int:
+    def _save_last(self) -> None:
         self._save("last", with_optimizer=True)
-        return self.step
+        self._saved_step = self.step
 
     def _save(self, name: str, *, with_optimizer: bool) -> Path:
         return save_checkpoint(
@@ -308,16 +318,17 @@ class Trainer:
             optimizer=self.optimizer if with_optimizer else None,
             trainer_state={"step": self.step, "data_position": self.data_position,
                            "best_val_loss": self.best_val_loss, "train_loss": self.train_loss,
-                           "val_loss": self.val_loss, "elapsed_s": self._elapsed()})
+                           "val_loss": self.val_loss, "elapsed_s": self._elapsed(),
+                           "evaluated_step": self._evaluated_step, "log_window": self._window.state()})
 
 
 class _LogWindow:
     """Loss and input tokens since the last log line. The loss stays a device tensor until it is
     logged, so the hot loop never waits on `.item()`."""
 
-    def __init__(self, device: torch.device):
-        self.loss = torch.zeros((), device=device)
-        self.steps = self.tokens = self.total_tokens = 0
+    def __init__(self, device: torch.device, loss_sum: float = 0.0, steps: int = 0):
+        self.loss = torch.tensor(loss_sum, device=device)
+        self.steps, self.tokens, self.total_tokens = steps, 0, 0
         self._mark = 0.0  # training seconds at the last flush
         self._after_first: tuple[int, float] | None = None  # (total_tokens, seconds) after step 1
 
@@ -328,6 +339,11 @@ class _LogWindow:
         self.total_tokens += tokens
         if self._after_first is None:
             self._after_first = (self.total_tokens, train_seconds)
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs to log the same mean loss: the unlogged steps' loss sum (float32,
+        exact in JSON) and their number."""
+        return {"loss_sum": self.loss.item(), "steps": self.steps}
 
     def throughput(self, train_seconds: float) -> float:
         """Input tokens per training second over the session, leaving out the first step (it pays
@@ -349,14 +365,35 @@ class _LogWindow:
         return mean_loss, tokens_per_s
 
 
+def _check_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
+    def number(value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float))
+
+    counts = ("step", "data_position") + (() if state.get("evaluated_step") is None else ("evaluated_step",))
+    bad = [k for k in counts if not (isinstance(state[k], int) and not isinstance(state[k], bool)
+                                     and state[k] >= 0)]
+    bad += [k for k in ("best_val_loss", "train_loss", "val_loss") if state[k] is not None and not number(state[k])]
+    bad += [] if number(state["elapsed_s"]) else ["elapsed_s"]
+    window = state.get("log_window", {"loss_sum": 0.0, "steps": 0})
+    if not (isinstance(window, dict) and set(window) == {"loss_sum", "steps"} and number(window["loss_sum"])
+            and isinstance(window["steps"], int) and window["steps"] >= 0):
+        bad.append("log_window")
+    if bad:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: {', '.join(bad)} malformed "
+                              "(expected counts >= 0 and numbers)")
+
+
 def _keep_metrics_until(path: Path, step: int) -> None:
     """Drop the lines of steps after `step` (a resumed run logs them again; a fresh run, step 0,
-    starts an empty file). Rewritten atomically."""
+    starts an empty file), and lines that are not a record of a step (the half-written last line of
+    a killed run). Rewritten atomically."""
     kept = []
     if step > 0 and path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             with contextlib.suppress(json.JSONDecodeError):
-                if json.loads(line)["step"] <= step:
+                record = json.loads(line)
+                logged = record.get("step") if isinstance(record, dict) else None
+                if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
                     kept.append(line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept))
