@@ -137,7 +137,8 @@ class Trainer:
         self._elapsed_before = 0.0
         self._session_start = time.perf_counter()
         self._val_batches: list[dict[str, Tensor]] | None = None
-        self._evaluated_step = self._saved_step = None  # the steps of the latest evaluation, save of last/
+        self._evaluated_step: int | None = None  # the step of the latest evaluation
+        self._last_is_current = False  # last/ holds this step and everything logged so far
         self._unlogged = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
@@ -168,7 +169,7 @@ class Trainer:
         self.step, self.data_position = step, data_position
         self.best_val_loss, self.train_loss, self.val_loss = best_val_loss, train_loss, val_loss
         self._elapsed_before = elapsed_before
-        self._evaluated_step, self._saved_step = state.get("evaluated_step"), step
+        self._evaluated_step, self._last_is_current = state.get("evaluated_step"), True
         self._unlogged = state.get("log_window", self._unlogged)
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
@@ -213,6 +214,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._last_is_current = False
         return loss_sum / cfg.grad_accum_steps, tokens, grad_norm
 
     @torch.no_grad()
@@ -275,7 +277,7 @@ class Trainer:
                 self._log_train(window, watch.total, grad_norm, bar)
             if self._evaluated_step != self.step:
                 self._evaluate_and_keep_best()
-            if self._saved_step != self.step:
+            if not self._last_is_current:
                 self._save_last()
         plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
@@ -293,6 +295,7 @@ class Trainer:
     def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
         self.train_loss, tokens_per_s = window.flush(train_seconds)
+        self._last_is_current = False
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
@@ -301,7 +304,7 @@ class Trainer:
 
     def _evaluate_and_keep_best(self) -> None:
         self.val_loss = self.evaluate()
-        self._evaluated_step = self.step
+        self._evaluated_step, self._last_is_current = self.step, False
         self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
         if self.best_val_loss is None or self.val_loss < self.best_val_loss:
             self.best_val_loss = self.val_loss
@@ -309,7 +312,7 @@ class Trainer:
 
     def _save_last(self) -> None:
         self._save("last", with_optimizer=True)
-        self._saved_step = self.step
+        self._last_is_current = True
 
     def _save(self, name: str, *, with_optimizer: bool) -> Path:
         return save_checkpoint(
