@@ -60,6 +60,8 @@ _TMP_INFIX = ".tmp-"  # DIR's temporary sibling: .{DIR name}.tmp-{pid}-{random}
 
 # The per-parameter state torch's Adam and AdamW keep; other optimizers get the generic checks only.
 _ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+# Param-group flags that choose how this optimizer runs here, not what it learned: kept, not loaded.
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
 class CheckpointError(ValueError):
@@ -495,7 +497,9 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
     for number, (group, ours) in enumerate(zip(saved, current)):
         values = {"params": group["params"]}
         for key, value in ours.items():
-            if key != "params":
+            if key in _IMPLEMENTATION_FLAGS:
+                values[key] = value
+            elif key != "params":
                 values[key] = _hyperparameter(f"{file}: param group {number}, {key!r}",
                                               group.get(key, value), value)
         groups.append(values)
