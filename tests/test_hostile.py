@@ -255,6 +255,19 @@ def test_the_tiny_hugging_face_directory_itself_embeds(capsys, hf_bert_dir):
     assert code == 0
 
 
+@pytest.mark.parametrize("integer", [False, True])
+def test_a_bert_checkpoint_with_integer_weights_is_refused_by_embed(capsys, tmp_path, hf_bert_dir, integer):
+    bert = pf.load_hf_bert(hf_bert_dir)
+    checkpoint.save_checkpoint(tmp_path / "ckpt", model=bert, family="bert", model_config=bert.config.to_dict(),
+                               tokenizer=load_hf_bert_tokenizer(hf_bert_dir))
+    if integer:
+        _tensors(tmp_path / "ckpt", "model.safetensors", lambda t: {k: v.int() for k, v in t.items()})
+        assert_one_error_line(*run_cli(capsys, "embed", "hello", "--model", tmp_path / "ckpt"),
+                              r"model\.safetensors does not fit BertModel: .* has dtype torch\.int32")
+    else:
+        assert run_cli(capsys, "embed", "hello", "--model", tmp_path / "ckpt")[0] == 0
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 FULL = checkpoint.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

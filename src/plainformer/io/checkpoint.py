@@ -276,19 +276,23 @@ class Checkpoint:
     def has_tokenizer(self) -> bool:
         return (self.path / "tokenizer.json").exists()
 
-    def restore_model(self, model: nn.Module) -> nn.Module:
+    def restore_model(self, model: nn.Module, *, prefix: str = "") -> nn.Module:
         """Load the weights into `model`: every name must match, with the model's shape, and a dtype
-        of the same kind (any float into a float tensor; integer and bool tensors exactly)."""
+        of the same kind (any float into a float tensor; integer and bool tensors exactly).
+
+        With `prefix` ("bert." say), only the saved names that start with it are loaded, without it:
+        the encoder of a saved task model, leaving out its head."""
         where = f"{self.path / MODEL} does not fit {type(model).__name__}"
+        saved = {name[len(prefix):]: t for name, t in self.state_dict.items() if name.startswith(prefix)}
         expected = model.state_dict()
-        missing = sorted(set(expected) - set(self.state_dict))
-        unexpected = sorted(set(self.state_dict) - set(expected))
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
         if missing or unexpected:
             raise CheckpointError(f"{where}: missing {_few(missing)}; unexpected {_few(unexpected)}")
         for name, tensor in expected.items():
-            _check_like(f"{where}: {name}", self.state_dict[name], tensor, exact_dtype=False)
+            _check_like(f"{where}: {name}", saved[name], tensor, exact_dtype=False)
         try:
-            model.load_state_dict(self.state_dict)
+            model.load_state_dict(saved)
         except RuntimeError as e:
             raise CheckpointError(f"{where}: {e}") from None
         return model

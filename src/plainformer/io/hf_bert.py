@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..data.tokenizers import WordPieceTokenizer
 from ..models.bert import BertConfig, BertModel
-from .atomic import atomic_path
+from .atomic import atomic_path, reporting_full_disk
 
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
@@ -265,7 +265,7 @@ def save_hf_bert(model: BertModel, directory: str | os.PathLike, *,
     directory.mkdir(parents=True, exist_ok=True)
     ours = model.state_dict()
     tensors = {hf: ours[name].detach().cpu().contiguous() for hf, name in bert_name_map(model.config.n_layers).items()}
-    with atomic_path(directory / SAFETENSORS) as tmp:
+    with reporting_full_disk(directory / SAFETENSORS, "weights"), atomic_path(directory / SAFETENSORS) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     with atomic_path(directory / HF_CONFIG) as tmp:
         tmp.write_text(json.dumps(bert_config_to_hf(model.config), indent=2, sort_keys=True) + "\n")
