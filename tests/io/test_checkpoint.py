@@ -437,7 +437,8 @@ def _dead_pid() -> int:
 
 def test_a_save_removes_the_temp_dirs_of_killed_saves_but_not_of_running_ones(tmp_path):
     net, _ = trained_net()
-    stale = [tmp_path / ".last.tmp-0123456789ab", tmp_path / f".best.tmp-{_dead_pid()}-0123456789ab"]
+    stale = [tmp_path / ".last.tmp-0123456789ab", tmp_path / f".best.tmp-{_dead_pid()}-0123456789ab",
+             tmp_path / ".last.tmp-012345678901234567890"]  # old style, all digits: no pid that big
     running = tmp_path / f".best.tmp-{os.getppid()}-0123456789ab"
     unrelated = tmp_path / ".best.tmp-0123456789ab"  # old-style name of another checkpoint: not ours to judge
     for directory in (*stale, running, unrelated):

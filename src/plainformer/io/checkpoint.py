@@ -120,7 +120,7 @@ def _remove_stale_temporaries(target: Path) -> None:
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or a number no pid reaches
         return False
     except PermissionError:  # another user's process
         return True
