@@ -369,18 +369,23 @@ class _LogWindow:
 
 
 def _check_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
-    def number(value: Any) -> bool:
-        return not isinstance(value, bool) and isinstance(value, (int, float))
+    """The fields a resume reads have the types `_save` writes."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    counts = ("step", "data_position") + (() if state.get("evaluated_step") is None else ("evaluated_step",))
-    bad = [k for k in counts if not (isinstance(state[k], int) and not isinstance(state[k], bool)
-                                     and state[k] >= 0)]
-    bad += [k for k in ("best_val_loss", "train_loss", "val_loss") if state[k] is not None and not number(state[k])]
-    bad += [] if number(state["elapsed_s"]) else ["elapsed_s"]
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
     window = state.get("log_window", {"loss_sum": 0.0, "steps": 0})
-    if not (isinstance(window, dict) and set(window) == {"loss_sum", "steps"} and number(window["loss_sum"])
-            and isinstance(window["steps"], int) and window["steps"] >= 0):
-        bad.append("log_window")
+    valid = {
+        "step": count(state["step"]), "data_position": count(state["data_position"]),
+        "evaluated_step": state.get("evaluated_step") is None or count(state["evaluated_step"]),
+        "elapsed_s": number(state["elapsed_s"]),
+        **{k: state[k] is None or number(state[k]) for k in ("best_val_loss", "train_loss", "val_loss")},
+        "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
+                      and number(window["loss_sum"]) and count(window["steps"]),
+    }
+    bad = [name for name, ok in valid.items() if not ok]
     if bad:
         raise CheckpointError(f"{path / 'trainer_state.json'}: {', '.join(bad)} malformed "
                               "(expected counts >= 0 and numbers)")
