@@ -231,6 +231,9 @@ HF_CASES = {
                                           d / "model.safetensors"), r"holds non-floating-point weights"),
     "hostile pytorch_model.bin": (_hostile_bin, r"pytorch_model\.bin is not loadable safely .*; "
                                                 r"convert it to model\.safetensors$"),
+    "pytorch_model.bin holding a list": (lambda d: ((d / "model.safetensors").unlink(),
+                                                    torch.save([torch.zeros(1)], d / "pytorch_model.bin")),
+                                         r"pytorch_model\.bin does not hold a state dict"),
     "garbage pytorch_model.bin": (lambda d: ((d / "model.safetensors").unlink(),
                                              (d / "pytorch_model.bin").write_bytes(b"PK\x03\x04 junk")),
                                   r"pytorch_model\.bin is not a readable PyTorch weights file"),
@@ -288,6 +291,18 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_sur
     monkeypatch.undo()
     assert load_checkpoint(run / "last").trainer_state["step"] == 3
     assert not list(run.glob(".*.tmp-*"))
+
+
+def test_a_full_disk_while_writing_hugging_face_weights_is_one_error(tmp_path, hf_bert_dir, monkeypatch):
+    from plainformer.io import hf_bert
+
+    def full(*args, **kwargs):
+        raise FULL
+
+    monkeypatch.setattr(hf_bert, "save_file", full)
+    with pytest.raises(DiskFullError, match=f"could not write weights {tmp_path / 'out' / 'model.safetensors'}"):
+        save_hf_bert(pf.load_hf_bert(hf_bert_dir), tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 class FullFile(io.BytesIO):
