@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -15,6 +16,7 @@ from torch import nn
 
 from plainformer.data.tokenizers import CharTokenizer
 from plainformer.io import checkpoint
+from plainformer.io.atomic import DiskFullError
 from plainformer.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
@@ -309,3 +311,220 @@ def test_crash_before_deleting_the_old_copy_keeps_the_new_checkpoint(tmp_path, m
     assert torch.equal(_weights(tmp_path / "last"), new.proj.weight)
     save(tmp_path / "last", old)
     assert [p.name for p in tmp_path.iterdir()] == ["last"]
+
+
+# ----------------------------------------------------------------------------- crafted checkpoints
+
+def _rewrite_manifest(directory):
+    """What anyone editing a checkpoint can do: make the manifest match the edited files."""
+    (directory / "manifest.json").unlink()
+    checkpoint._write_manifest(directory)
+
+
+def _edit_tensors(directory, name, edit, metadata=None):
+    path = directory / name
+    tensors = checkpoint.load_file(path)
+    checkpoint.save_file(edit(dict(tensors)), path, metadata=metadata)
+    _rewrite_manifest(directory)
+
+
+def _edit_json(directory, name, edit):
+    path = directory / name
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    if name != "manifest.json":
+        _rewrite_manifest(directory)
+
+
+def _renamed(tensors, old, new):
+    return {k.replace(old, new, 1) if k.startswith(old) else k: v for k, v in tensors.items()}
+
+
+def _fused_optimizer(net):
+    return torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # The crash of issue 14: torch's fused AdamW reads a wrong-shaped exp_avg out of bounds (SIGSEGV).
+    (lambda t: {**t, "state.1.exp_avg": torch.zeros(3)}, r"state\.1\.exp_avg has shape \(3,\), expected \(4,\)"),
+    (lambda t: {**t, "state.0.exp_avg": t["state.0.exp_avg"].repeat(2, 1)}, r"state\.0\.exp_avg has shape \(14, 4\)"),
+    (lambda t: {**t, "state.0.exp_avg": t["state.0.exp_avg"].int()}, r"state\.0\.exp_avg has dtype torch\.int32"),
+    (lambda t: {**t, "state.0.exp_avg": t["state.0.exp_avg"].half()}, r"state\.0\.exp_avg has dtype torch\.float16"),
+    (lambda t: {**t, "state.2.step": torch.zeros(3)}, r"state\.2\.step must be a float scalar"),
+    (lambda t: {**t, "state.2.step": torch.tensor(2)}, r"state\.2\.step must be a float scalar"),
+    (lambda t: _renamed(t, "state.0.", "state.9."), r"holds 'state\.9\.exp_avg'.*5 parameters"),
+    (lambda t: {**t, "junk": torch.zeros(1)}, r"holds 'junk', which is not 'state\.\{i\}\.\{name\}'"),
+    (lambda t: {k: v for k, v in t.items() if k != "state.3.exp_avg_sq"}, r"parameter 3 holds \['exp_avg', 'step'\]"),
+    (lambda t: {**t, "state.3.extra": torch.zeros(4, 4)}, r"parameter 3 holds .*'extra'"),
+])
+def test_crafted_optimizer_state_is_refused_before_torch_sees_it(tmp_path, edit, message):
+    net, optimizer = trained_net()
+    save(tmp_path / "ckpt", net, optimizer)
+    _edit_tensors(tmp_path / "ckpt", "optimizer.safetensors", edit)
+    fresh = _fused_optimizer(TiedNet())
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path / "ckpt").restore_optimizer(fresh)
+    assert not fresh.state  # nothing was loaded
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: {**m, "param_groups": [{**m["param_groups"][0], "lr": "fast"}]}, r"param group 0, 'lr' is 'fast'"),
+    (lambda m: {**m, "param_groups": [{**m["param_groups"][0], "betas": [0.9]}]}, r"'betas' is \[0\.9\]"),
+    (lambda m: {**m, "param_groups": [{**m["param_groups"][0], "amsgrad": 1}]}, r"'amsgrad' is 1"),
+    (lambda m: {**m, "param_groups": [{**m["param_groups"][0], "params": [0, 0, 1, 2, 3]}]}, "distinct integers"),
+    (lambda m: {**m, "param_groups": [{"lr": 1.0}]}, r"param groups of sizes \[None\]"),
+    (lambda m: {**m, "scalar_state": {"0": {"step": "x"}}}, r"'scalar_state' entry '0'"),
+    (lambda m: {**m, "scalar_state": []}, r"'scalar_state' must be an object"),
+])
+def test_crafted_optimizer_hyperparameters_are_refused(tmp_path, edit, message):
+    net, optimizer = trained_net()
+    save(tmp_path / "ckpt", net, optimizer)
+    _edit_json(tmp_path / "ckpt", "optimizer.json", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path / "ckpt").restore_optimizer(_fused_optimizer(TiedNet()))
+
+
+def test_optimizer_state_restored_into_the_fused_kernel_continues_identically(tmp_path):
+    net, _ = trained_net()
+    optimizer = _fused_optimizer(net)
+    net(torch.tensor([[1, 2]])).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    save(tmp_path / "ckpt", net, optimizer)
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    net2 = ckpt.restore_model(TiedNet())
+    optimizer2 = _fused_optimizer(net2)
+    ckpt.restore_optimizer(optimizer2)
+    for a, b in ((net, optimizer), (net2, optimizer2)):
+        a(torch.tensor([[4, 5]])).sum().backward()
+        b.step()
+    for p, q in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: {**t, "proj.weight": t["proj.weight"].int()}, r"proj\.weight has dtype torch\.int32, expected torch\.float32"),
+    (lambda t: {**t, "counter": t["counter"].float()}, r"counter has dtype torch\.float32, expected torch\.int64"),
+    (lambda t: {**t, "norm.bias": torch.zeros(5)}, r"norm\.bias has shape \(5,\), expected \(4,\)"),
+    (lambda t: {k: v for k, v in t.items() if k != "proj.bias"}, r"missing proj\.bias; unexpected none"),
+    (lambda t: {**t, "extra": torch.zeros(1)}, r"missing none; unexpected extra"),
+])
+def test_weights_that_do_not_fit_the_model_are_refused_naming_the_tensor(tmp_path, edit, message):
+    net, _ = trained_net()
+    save(tmp_path / "ckpt", net)
+    aliases = {"plainformer.aliases": json.dumps({"head.weight": "emb.weight"}), "format": "pt"}
+    _edit_tensors(tmp_path / "ckpt", "model.safetensors", edit, metadata=aliases)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not fit TiedNet: " + message):
+        load_checkpoint(tmp_path / "ckpt").restore_model(TiedNet())
+
+
+def test_half_precision_weights_load_into_a_float_model(tmp_path):
+    net, _ = trained_net()
+    save(tmp_path / "ckpt", net.half())
+    restored = load_checkpoint(tmp_path / "ckpt").restore_model(TiedNet())
+    assert restored.proj.weight.dtype == torch.float32
+    assert torch.equal(restored.proj.weight, net.proj.weight.float())
+
+
+def _manifest_entry(directory, name, entry):
+    _edit_json(directory, "manifest.json", lambda m: {**m, "files": {**m["files"], name: entry}})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _edit_json(d, "manifest.json", lambda m: {**m, "files": {
+        k: {"size": v["size"]} for k, v in m["files"].items()}}), r"entry of 'config\.json' must be an object .* 'sha256'"),
+    (lambda d: _manifest_entry(d, "model.safetensors", "big"), r"entry of 'model\.safetensors' must be"),
+    (lambda d: _manifest_entry(d, "../../etc/hostname", {"size": 1, "sha256": "0"}),
+     r"lists '\.\./\.\./etc/hostname', which is not a file name inside the checkpoint"),
+    (lambda d: ((d / "vocab.txt").symlink_to("/etc/hostname"),
+                _manifest_entry(d, "vocab.txt", {"size": 1, "sha256": "0"})), r"vocab\.txt links outside"),
+    (lambda d: _edit_json(d, "config.json", lambda c: {**c, "format_version": "1"}),
+     r"config\.json: 'format_version' has the wrong type \(str\)"),
+    (lambda d: _edit_json(d, "config.json", lambda c: {**c, "model": "gpt"}), r"'model' has the wrong type"),
+    (lambda d: _edit_json(d, "trainer_state.json", lambda s: [s]), r"trainer_state\.json must hold a JSON object"),
+    (lambda d: _edit_tensors(d, "model.safetensors", lambda t: t, metadata={"plainformer.aliases": "[1, 2]"}),
+     r"'plainformer\.aliases' must map names to names"),
+])
+def test_malformed_fields_give_a_checkpoint_error_naming_file_and_field(tmp_path, damage, message):
+    net, _ = trained_net()
+    save(tmp_path / "ckpt", net, trainer_state={"step": 1})
+    damage(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+# ----------------------------------------------------------------------------- leftovers, full disk
+
+def _dead_pid() -> int:
+    import subprocess
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_save_removes_the_temp_dirs_of_killed_saves_but_not_of_running_ones(tmp_path):
+    net, _ = trained_net()
+    stale = [tmp_path / ".last.tmp-0123456789ab", tmp_path / f".best.tmp-{_dead_pid()}-0123456789ab",
+             tmp_path / ".last.tmp-012345678901234567890"]  # old style, all digits: no pid that big
+    running = tmp_path / f".best.tmp-{os.getppid()}-0123456789ab"
+    unrelated = tmp_path / ".best.tmp-0123456789ab"  # old-style name of another checkpoint: not ours to judge
+    for directory in (*stale, running, unrelated):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"x" * 100)
+    save(tmp_path / "last", net)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last", running.name, unrelated.name])
+
+
+FULL_DISK = checkpoint.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_the_previous_one_survives(tmp_path, monkeypatch):
+    old, new = saved_old_and_new(tmp_path)
+
+    def full(*args, **kwargs):
+        raise FULL_DISK
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(DiskFullError) as info:
+        save(tmp_path / "last", new)
+    assert str(info.value) == (f"the disk is full: could not write checkpoint {tmp_path / 'last'}; "
+                               f"free space on the file system of {tmp_path} and retry")
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+    monkeypatch.undo()
+    assert torch.equal(_weights(tmp_path / "last"), old.proj.weight)
+    assert [p.name for p in tmp_path.iterdir()] == ["last"]
+
+
+def test_other_write_errors_are_not_called_a_full_disk(tmp_path, monkeypatch):
+    net, _ = trained_net()
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(checkpoint, "save_file", denied)
+    with pytest.raises(PermissionError):
+        save(tmp_path / "last", net)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; the monkeypatched variant runs anyway")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(small_tmpfs):
+    old, _ = trained_net()
+    save(small_tmpfs / "last", old)
+    big = nn.Linear(256, 256)  # 257 KiB of float32: more than the disk
+    with pytest.raises(DiskFullError, match=f"could not write checkpoint {small_tmpfs / 'last'}"):
+        save_checkpoint(small_tmpfs / "last", model=big, family="tied", model_config=MODEL_CONFIG)
+    assert torch.equal(_weights(small_tmpfs / "last"), old.proj.weight)
+    assert [p.name for p in small_tmpfs.iterdir()] == ["last"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from plainformer.config import Config
 from plainformer.io.checkpoint import CheckpointError, load_checkpoint
+from plainformer.io.run_lock import RunDirectoryBusy
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import lr_at, make_optimizer, parameter_groups
 from plainformer.training.trainer import Trainer, TrainingInterrupted
@@ -270,3 +271,106 @@ def test_the_step_clock_stops_only_before_logging_evaluating_or_saving(tmp_path,
     metrics = current.fit()
     assert stopped_at == [1, 4, 6, 8, 12]
     assert metrics["tokens_per_s"] > 0
+
+
+# ----------------------------------------------------------------------------- hostile conditions
+
+DETERMINISTIC = ("step", "train_loss", "val_loss", "lr", "grad_norm")  # not timings
+
+
+def logged(out_dir):
+    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k in DETERMINISTIC} for line in lines]
+
+
+class CrashingTokens(CountingTokens):
+    """Dies like a killed process would: mid-step, with nothing saved since the last save_interval."""
+
+    def __init__(self, crash_at: int):
+        super().__init__()
+        self.crash_at = crash_at
+
+    def get_batch(self, split, index, batch_size):
+        if split == "train" and index == self.crash_at:
+            raise SystemExit("killed")
+        return super().get_batch(split, index, batch_size)
+
+
+@pytest.mark.parametrize("crash_at", [5, 8, 11])  # in steps 3, 5 and 6: after the saves at 2 and 4
+def test_a_crashed_and_resumed_run_logs_exactly_what_an_uninterrupted_one_does(tmp_path, crash_at):
+    options = dict(max_steps=8, log_interval=3, save_interval=2, eval_interval=4)
+    train(tmp_path / "reference", **options)
+    with pytest.raises(SystemExit):
+        train(tmp_path / "run", CrashingTokens(crash_at), **options)
+    train(tmp_path / "run", resume=True, **options)
+    assert logged(tmp_path / "run") == logged(tmp_path / "reference")
+    assert [r["step"] for r in logged(tmp_path / "run") if "train_loss" in r] == [3, 6, 8]
+
+
+def test_resuming_a_finished_run_logs_nothing_more_and_reports_the_same_losses(tmp_path):
+    options = dict(max_steps=5, log_interval=10, save_interval=1, eval_interval=0)
+    _, first = train(tmp_path, **options)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    _, again = train(tmp_path, resume=True, **options)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert [r["step"] for r in logged(tmp_path)] == [5, 5]
+    assert {k: again[k] for k in ("step", "train_loss", "val_loss")} == \
+        {k: first[k] for k in ("step", "train_loss", "val_loss")}
+
+
+def test_resume_skips_metrics_lines_that_are_not_records_of_a_step(tmp_path):
+    train(tmp_path, max_steps=2)
+    before = logged(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"val_loss": 1.0}\n[1, 2]\n{"step": "2"}\n{"step": 1, "train_lo')  # the last: cut by a kill
+    train(tmp_path, resume=True, max_steps=4)
+    after = logged(tmp_path)
+    assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3, 3, 4, 4]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (dict(step="3"), "step"), (dict(data_position=-1), "data_position"), (dict(val_loss="low"), "val_loss"),
+    (dict(log_window=[1.0, 2]), "log_window"), (dict(evaluated_step=1.5), "evaluated_step"),
+])
+def test_malformed_trainer_state_is_refused_naming_the_field(tmp_path, edit, field):
+    from plainformer.io import checkpoint
+
+    train(tmp_path, max_steps=2)
+    path = tmp_path / "last" / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    (tmp_path / "last" / "manifest.json").unlink()
+    checkpoint._write_manifest(tmp_path / "last")
+    with pytest.raises(CheckpointError, match=rf"trainer_state\.json: {field} malformed"):
+        Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path, resume=True, progress=False)
+
+
+class SecondRun(CountingTokens):
+    """Starts a second training on the same directory while the first is in its third micro-batch."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir, self.refusal = out_dir, None
+        self.model = fresh_model()  # built now: seeding torch mid-run would change the first run's dropout
+
+    def get_batch(self, split, index, batch_size):
+        if split == "train" and index == 2 and self.refusal is None:
+            with pytest.raises(RunDirectoryBusy) as info:
+                train(self.out_dir, model=self.model)
+            self.refusal = str(info.value)
+        return super().get_batch(split, index, batch_size)
+
+
+def test_a_second_run_on_the_same_directory_is_refused_and_the_first_is_unharmed(tmp_path):
+    source = SecondRun(tmp_path)
+    train(tmp_path, source, max_steps=4)
+    assert source.refusal.startswith(f"{tmp_path} is in use by another run (pid {os.getpid()})")
+    train(tmp_path / "reference", max_steps=4)
+    assert logged(tmp_path) == logged(tmp_path / "reference")
+    train(tmp_path, resume=True, max_steps=6)  # released once fit returned
+
+
+@pytest.mark.parametrize("field", ["lr", "eps", "min_lr", "weight_decay", "grad_clip", "max_time"])
+@pytest.mark.parametrize("value", [math.inf, math.nan, -math.inf])
+def test_non_finite_numbers_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field} must be"):
+        TrainConfig(**{field: value})

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..io.atomic import atomic_path
+from ..io.atomic import atomic_path, reporting_full_disk
 from .corpus import (
     ENCODE_CHUNK_CHARS,
     SPLITS,
@@ -108,10 +108,11 @@ def token_array(split: TextSplit, which: str, tokenizer: Tokenizer, *,
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         chunks = split.chunks(which, ENCODE_CHUNK_CHARS)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        # f.write, not ndarray.tofile: on a full disk tofile raises an OSError without an errno.
+        with reporting_full_disk(path, "the token cache"), atomic_path(path) as tmp, open(tmp, "wb") as f:
             while group := list(itertools.islice(chunks, ENCODE_GROUP)):
                 for ids in tokenizer.encode_many(group):
-                    np.asarray(ids, dtype=dtype).tofile(f)
+                    f.write(np.asarray(ids, dtype=dtype).tobytes())
     return np.memmap(path, dtype=dtype, mode="r")
 
 

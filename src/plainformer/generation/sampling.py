@@ -5,6 +5,8 @@ Temperature T = 0 takes argmax z (greedy).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -12,8 +14,9 @@ from .. import _checks
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not 0 <= temperature < math.inf):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy) and finite, got {temperature!r}")
     if top_k is not None:
         _checks.check_positive_int("top_k", top_k)
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
@@ -22,12 +25,22 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """logits (B, V) -> next token ids (B,)."""
+    """logits (B, V) -> next token ids (B,).
+
+    A row to sample from must hold a finite logit and no NaN or +inf (its softmax is undefined
+    otherwise); else ValueError. The check costs one device-to-host copy, as torch.multinomial's own
+    check of its probabilities does, and spares a CUDA device-side assert.
+    """
     _checks.check_tensor("logits", logits, ndim=2, shape_doc="(B, V)")
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
+    undefined = (logits.isnan() | (logits == math.inf)).any(-1) | (logits == -math.inf).all(-1)  # (B,)
+    if undefined.any():
+        rows = undefined.nonzero().flatten().tolist()
+        raise ValueError(f"logits rows {rows[:5]} hold NaN or +inf, or only -inf: there is no "
+                         "distribution to sample from")
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

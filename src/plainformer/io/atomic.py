@@ -1,14 +1,50 @@
-"""Atomic writes: a reader sees the old file or the new one, never half of one.
+"""Atomic writes: a reader sees the old file or the new one, never half of one; and a full disk
+reported as one line saying where, not as a library's traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import Iterator
+
+from safetensors import SafetensorError
+
+# The Rust side of safetensors reports the OS error in its message only.
+_FULL_DISK_MESSAGES = ("No space left on device", "Disk quota exceeded")
+
+
+class DiskFullError(OSError):
+    """Writing `path` failed because its file system is full (ENOSPC) or over quota (EDQUOT)."""
+
+    def __init__(self, path: str | os.PathLike, what: str):
+        super().__init__(errno.ENOSPC, f"the disk is full: could not write {what} {path}; "
+                                       f"free space on the file system of {Path(path).parent} and retry")
+        self.filename = None  # already in the message; OSError would append it once more
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, SafetensorError) and any(m in str(error) for m in _FULL_DISK_MESSAGES)
+
+
+@contextlib.contextmanager
+def reporting_full_disk(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn a full-disk error raised inside the block into a `DiskFullError` naming `what` and `path`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        if isinstance(error, DiskFullError) or not is_disk_full(error):
+            raise
+        raise DiskFullError(path, what) from None
 
 
 @contextlib.contextmanager

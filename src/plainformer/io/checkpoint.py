@@ -15,7 +15,12 @@ A checkpoint is built in a temporary sibling directory, fsynced, and renamed int
 checkpoint is first renamed away to `.{name}.old` and deleted only once the new one is in place, so a
 crash at any moment leaves a complete checkpoint at DIR or at `.{name}.old`; `load_checkpoint(DIR)`
 falls back to the latter. Every file is checked against the manifest on load, so truncation and silent
-corruption surface as a `CheckpointError` that names the file.
+corruption surface as a `CheckpointError` that names the file. A save also removes the temporary
+directories that killed saves left beside it; a full disk is reported as one `DiskFullError` line.
+
+A checkpoint is data from outside: every field is checked before use, and weights and optimizer state
+are checked against the model and optimizer they are loaded into (names, shapes, dtypes), so a crafted
+or mismatched file gives a `CheckpointError` naming the file and field, never a crash inside torch.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -37,6 +43,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .atomic import reporting_full_disk
+
 FORMAT_VERSION = 1
 
 CONFIG = "config.json"
@@ -49,6 +57,12 @@ MANIFEST = "manifest.json"
 _OWN_FILES = (CONFIG, MODEL, OPTIMIZER, OPTIMIZER_META, TRAINER_STATE, RNG_STATE, MANIFEST)
 
 _ALIASES_KEY = "plainformer.aliases"
+_TMP_INFIX = ".tmp-"  # DIR's temporary sibling: .{DIR name}.tmp-{pid}-{random}
+
+# The per-parameter state torch's Adam and AdamW keep; other optimizers get the generic checks only.
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+# Param-group flags that choose how this optimizer runs here, not what it learned: kept, not loaded.
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
 class CheckpointError(ValueError):
@@ -76,20 +90,45 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[
     if not isinstance(family, str) or not family:
         raise ValueError(f"family must be a non-empty string such as 'gpt', got {family!r}")
     target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        _write_contents(tmp, model=model, family=family, model_config=model_config,
-                        train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
-                        trainer_state=trainer_state, rng_states=rng_states)
-        _write_manifest(tmp)
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with reporting_full_disk(target, "checkpoint"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(target)
+        tmp = target.parent / f".{target.name}{_TMP_INFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            _write_contents(tmp, model=model, family=family, model_config=model_config,
+                            train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
+                            trainer_state=trainer_state, rng_states=rng_states)
+            _write_manifest(tmp)
+            _fsync_tree(tmp)
+            _swap_into_place(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return target
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete the temporary directories that saves killed mid-way left beside `target`: those of any
+    sibling whose process is gone, and those of `target` itself from before pids were in the name."""
+    for path in target.parent.glob(f".*{_TMP_INFIX}*"):
+        owner = path.name.rpartition(_TMP_INFIX)[2].partition("-")[0]
+        if owner.isdigit():
+            if int(owner) != os.getpid() and _process_alive(int(owner)):
+                continue
+        elif not path.name.startswith(f".{target.name}{_TMP_INFIX}"):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or a number no pid reaches
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _write_contents(tmp: Path, *, model, family, model_config, train_config, tokenizer, optimizer,
@@ -247,13 +286,30 @@ class Checkpoint:
     def has_tokenizer(self) -> bool:
         return (self.path / "tokenizer.json").exists()
 
-    def restore_model(self, model: nn.Module) -> nn.Module:
-        """Load the weights into `model` (strictly: every name must match)."""
+    def restore_model(self, model: nn.Module, *, prefix: str = "") -> nn.Module:
+        """Load the weights into `model`, checked by `model_state_dict`."""
         try:
-            model.load_state_dict(self.state_dict)
+            model.load_state_dict(self.model_state_dict(model, prefix=prefix))
         except RuntimeError as e:
             raise CheckpointError(f"{self.path / MODEL} does not fit {type(model).__name__}: {e}") from None
         return model
+
+    def model_state_dict(self, model: nn.Module, *, prefix: str = "") -> dict[str, Tensor]:
+        """The saved weights, checked against `model`: every name must match, with the model's shape,
+        and a dtype of the same kind (any float into a float tensor; integer and bool tensors exactly).
+
+        With `prefix` ("bert." say), only the saved names that start with it are taken, without it:
+        the encoder of a saved task model, leaving out its head."""
+        where = f"{self.path / MODEL} does not fit {type(model).__name__}"
+        saved = {name[len(prefix):]: t for name, t in self.state_dict.items() if name.startswith(prefix)}
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(f"{where}: missing {_few(missing)}; unexpected {_few(unexpected)}")
+        for name, tensor in expected.items():
+            _check_like(f"{where}: {name}", saved[name], tensor, exact_dtype=False)
+        return saved
 
     def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Load state and hyperparameters into an optimizer built over the same parameters."""
@@ -268,23 +324,9 @@ class Checkpoint:
         meta = _read_json(self.path / OPTIMIZER_META)
         if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list):
             raise CheckpointError(f"{self.path / OPTIMIZER_META} has no 'param_groups' list")
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            _, index, name = key.split(".", 2)
-            state.setdefault(int(index), {})[name] = value
-        for index, scalars in meta.get("scalar_state", {}).items():
-            state.setdefault(int(index), {}).update(scalars)
-        groups = meta["param_groups"]
-        current = optimizer.param_groups
-        if len(groups) != len(current) or any(len(g["params"]) != len(c["params"])
-                                               for g, c in zip(groups, current)):
-            raise CheckpointError(
-                f"{self.path / OPTIMIZER_META} describes param groups of sizes "
-                f"{[len(g['params']) for g in groups]} but the optimizer has "
-                f"{[len(c['params']) for c in current]}; build it over the same model")
-        # JSON turned tuples (betas) into lists; give each value the type the optimizer uses.
-        groups = [{k: tuple(v) if isinstance(c.get(k), tuple) else v for k, v in g.items()}
-                  for g, c in zip(groups, current)]
+        groups, params = _param_groups(self.path / OPTIMIZER_META, meta["param_groups"], optimizer)
+        state = _optimizer_state(self.path, tensors, meta.get("scalar_state", {}), params,
+                                 adam=isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW))
         return {"state": state, "param_groups": groups}
 
     @property
@@ -349,10 +391,15 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
     missing = [key for key in ("format_version", "family", "model") if key not in config]
     if missing:
         raise CheckpointError(f"{path / CONFIG} lacks {', '.join(map(repr, missing))}")
+    for key, kinds in (("format_version", int), ("family", str), ("model", dict), ("train", dict | None)):
+        _check_field(path / CONFIG, key, config.get(key), kinds)
     if config["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {config['format_version']}; this plainformer "
                               f"reads up to {FORMAT_VERSION}: upgrade plainformer")
     trainer_state = _read_json(path / TRAINER_STATE) if TRAINER_STATE in files else None
+    if trainer_state is not None and not isinstance(trainer_state, dict):
+        raise CheckpointError(f"{path / TRAINER_STATE} must hold a JSON object, "
+                              f"got {type(trainer_state).__name__}")
     return Checkpoint(path=path, family=config["family"], model_config=config["model"],
                       train_config=config.get("train") or {}, state_dict=_read_model(path / MODEL),
                       trainer_state=trainer_state, format_version=config["format_version"])
@@ -390,7 +437,16 @@ def _locate(directory: Path) -> Path:
 
 def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
     for name, entry in files.items():
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise CheckpointError(f"{path / MANIFEST} lists {name!r}, which is not a file name inside "
+                                  "the checkpoint directory")
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                or isinstance(entry.get("size"), bool) or not isinstance(entry.get("size"), int)):
+            raise CheckpointError(f"{path / MANIFEST}: the entry of {name!r} must be an object with an "
+                                  f"integer 'size' and a 'sha256' string, got {entry!r:.100}")
         file = path / name
+        if file.resolve().parent != path.resolve():
+            raise CheckpointError(f"{file} links outside the checkpoint directory")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
         if not verify:
@@ -429,8 +485,110 @@ def _read_model(path: Path) -> dict[str, Tensor]:
         aliases = json.loads(metadata.get(_ALIASES_KEY, "{}"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} has malformed alias metadata: {e}") from None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(f"{path}: the metadata {_ALIASES_KEY!r} must map names to names, "
+                              f"got {aliases!r:.100}")
     for alias, name in aliases.items():
         if name not in tensors:
             raise CheckpointError(f"{path} says {alias!r} is tied to {name!r}, which it does not hold")
         tensors[alias] = tensors[name]
     return tensors
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _few(names: list[str]) -> str:
+    return (", ".join(names[:5]) + (" ..." if len(names) > 5 else "")) or "none"
+
+
+def _check_field(file: Path, key: str, value: Any, kinds: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise CheckpointError(f"{file}: {key!r} has the wrong type ({type(value).__name__}): {value!r:.100}")
+
+
+def _check_like(where: str, saved: Tensor, expected: Tensor, *, exact_dtype: bool) -> None:
+    """`saved` has `expected`'s shape, and its dtype (or, unless exact_dtype, another float dtype)."""
+    if saved.shape != expected.shape:
+        raise CheckpointError(f"{where} has shape {tuple(saved.shape)}, expected {tuple(expected.shape)}")
+    same_kind = saved.is_floating_point() and expected.is_floating_point() and not exact_dtype
+    if saved.dtype != expected.dtype and not same_kind:
+        raise CheckpointError(f"{where} has dtype {saved.dtype}, expected {expected.dtype}")
+
+
+def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
+                  ) -> tuple[list[dict[str, Any]], dict[int, Tensor]]:
+    """The saved param groups checked against the optimizer's, each hyperparameter of the type the
+    optimizer uses (JSON made tuples lists); and saved parameter id -> the parameter it stands for."""
+    current = optimizer.param_groups
+    sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+             for g in saved]
+    if sizes != [len(c["params"]) for c in current]:
+        raise CheckpointError(f"{file} describes param groups of sizes {sizes} but the optimizer has "
+                              f"{[len(c['params']) for c in current]}; build it over the same model")
+    ids = [i for g in saved for i in g["params"]]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids) or len(set(ids)) != len(ids):
+        raise CheckpointError(f"{file}: the 'params' of the param groups must be distinct integers")
+    groups = []
+    for number, (group, ours) in enumerate(zip(saved, current)):
+        values = {"params": group["params"]}
+        for key, value in ours.items():
+            if key in _IMPLEMENTATION_FLAGS:
+                values[key] = value
+            elif key != "params":
+                values[key] = _hyperparameter(f"{file}: param group {number}, {key!r}",
+                                              group.get(key, value), value)
+        groups.append(values)
+    return groups, dict(zip(ids, (p for c in current for p in c["params"])))
+
+
+def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:
+    """`saved` converted to the type of `ours` (tuple for a list, a finite float for a number)."""
+    def number(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+    if isinstance(ours, tuple) and isinstance(saved, (list, tuple)) and len(saved) == len(ours) \
+            and all(map(number, saved)):
+        return tuple(saved)
+    if isinstance(ours, bool) or ours is None or isinstance(ours, str):
+        ok = type(saved) is type(ours)
+    else:
+        ok = isinstance(ours, (int, float, Tensor)) and number(saved)
+    if not ok:
+        raise CheckpointError(f"{where} is {saved!r:.60}, expected a value like {ours!r:.60}")
+    return saved
+
+
+def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: Any,
+                     params: Mapping[int, Tensor], *, adam: bool) -> dict[int, dict[str, Any]]:
+    """{param id: {name: value}} from "state.{id}.{name}" tensors and the JSON scalars, each checked
+    against its parameter: a `step` is a float scalar; every other tensor has the parameter's shape
+    and dtype (torch's fused kernels read them unchecked); Adam's state is complete."""
+    file = path / OPTIMIZER
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        prefix, index, name = (key.split(".", 2) + ["", ""])[:3]
+        if prefix != "state" or not index.isdigit() or int(index) not in params or not name:
+            raise CheckpointError(f"{file} holds {key!r}, which is not 'state.{{i}}.{{name}}' for one of "
+                                  f"the optimizer's {len(params)} parameters")
+        where = f"{file}: {key}"
+        if name == "step":
+            if value.shape != () or not value.is_floating_point():
+                raise CheckpointError(f"{where} must be a float scalar, got {value.dtype} of shape "
+                                      f"{tuple(value.shape)}")
+        else:
+            _check_like(where, value, params[int(index)], exact_dtype=True)
+        state.setdefault(int(index), {})[name] = value
+    if not isinstance(scalar_state, dict):
+        raise CheckpointError(f"{path / OPTIMIZER_META}: 'scalar_state' must be an object")
+    for index, scalars in scalar_state.items():
+        if not index.isdigit() or int(index) not in params or not isinstance(scalars, dict) \
+                or not all(isinstance(v, (int, float, bool)) or v is None for v in scalars.values()):
+            raise CheckpointError(f"{path / OPTIMIZER_META}: 'scalar_state' entry {index!r} must map "
+                                  "names to numbers for one of the optimizer's parameters")
+        state.setdefault(int(index), {}).update(scalars)
+    if adam:
+        for index, values in state.items():
+            if set(values) - {"max_exp_avg_sq"} != _ADAM_STATE:
+                raise CheckpointError(f"{file}: the state of parameter {index} holds {sorted(values)}; "
+                                      f"Adam keeps {sorted(_ADAM_STATE)}")
+    return state

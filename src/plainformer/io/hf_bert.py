@@ -3,7 +3,8 @@
 Nothing is copied from `transformers`: a Hugging Face model directory is plain files (config.json,
 model.safetensors or pytorch_model.bin, tokenizer files), read here and mapped onto plainformer's
 modules name by name. `pytorch_model.bin` is read with `torch.load(weights_only=True)`, never unpickled
-in full.
+in full; a file that needs more than that is refused, with the advice to convert it to safetensors.
+Every file is data from outside: malformed JSON, weights or dtypes give one ValueError naming the file.
 
 BERT (one module for each Hugging Face one; nothing is fused, so the map is a renaming):
 
@@ -26,17 +27,19 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ..data.tokenizers import WordPieceTokenizer
 from ..models.bert import BertConfig, BertModel
-from .atomic import atomic_path
+from .atomic import atomic_path, reporting_full_disk
 
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
@@ -67,6 +70,8 @@ _BERT_LAYER = {
 }
 # Keys of Hugging Face BERT checkpoints that BertModel has no use for: task heads and a buffer.
 _BERT_IGNORED_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "embeddings.position_ids")
+# Integer buffers some BERT checkpoints carry beside the (floating-point) weights.
+_BERT_INTEGER_BUFFERS = ("position_ids", "token_type_ids")
 # Names older BERT checkpoints (the original bert-base-uncased) give LayerNorm parameters.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
@@ -155,16 +160,36 @@ def bert_config_to_hf(config: BertConfig) -> dict[str, Any]:
 
 
 def read_hf_weights(directory: str | os.PathLike) -> dict[str, Tensor]:
-    """The tensors of model.safetensors, else of pytorch_model.bin (loaded with weights_only=True)."""
+    """The floating-point tensors of model.safetensors, else of pytorch_model.bin (loaded with
+    weights_only=True); ValueError for anything else."""
     directory = Path(directory)
     if (directory / SAFETENSORS).is_file():
-        return load_file(directory / SAFETENSORS)
-    if (directory / PYTORCH_BIN).is_file():
-        state = torch.load(directory / PYTORCH_BIN, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise ValueError(f"{directory / PYTORCH_BIN} does not hold a state dict")
-        return state
-    raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {PYTORCH_BIN}")
+        path = directory / SAFETENSORS
+        try:
+            state = load_file(path)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+    elif (directory / PYTORCH_BIN).is_file():
+        path = directory / PYTORCH_BIN
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # torch's message would suggest weights_only=False, i.e. running the file's code.
+            raise ValueError(f"{path} is not loadable safely (its pickle asks for more than tensors); "
+                             f"convert it to {SAFETENSORS}") from None
+        except (RuntimeError, EOFError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable PyTorch weights file: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    else:
+        raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {PYTORCH_BIN}")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{path} does not hold a state dict (names -> tensors)")
+    ints = sorted(k for k, v in state.items()
+                  if not v.is_floating_point() and not k.endswith(_BERT_INTEGER_BUFFERS))
+    if ints:
+        raise ValueError(f"{path} holds non-floating-point weights: {', '.join(ints[:5])}")
+    return state
 
 
 def bert_state_from_hf(hf_state: Mapping[str, Tensor], n_layers: int) -> dict[str, Tensor]:
@@ -199,7 +224,7 @@ def load_hf_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto") -> Be
     config_path = directory / HF_CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face model directory: {HF_CONFIG} is missing")
-    config = bert_config_from_hf(json.loads(config_path.read_text())).replace(backend=backend)
+    config = bert_config_from_hf(_read_hf_config(config_path)).replace(backend=backend)
     state = bert_state_from_hf(read_hf_weights(directory), config.n_layers)
     model = BertModel(config)
     missing = set(model.state_dict()) - set(state)
@@ -211,6 +236,16 @@ def load_hf_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto") -> Be
     except RuntimeError as e:
         raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
     return model.eval()
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def load_hf_bert_tokenizer(name_or_dir: str | os.PathLike) -> WordPieceTokenizer:
@@ -230,7 +265,7 @@ def save_hf_bert(model: BertModel, directory: str | os.PathLike, *,
     directory.mkdir(parents=True, exist_ok=True)
     ours = model.state_dict()
     tensors = {hf: ours[name].detach().cpu().contiguous() for hf, name in bert_name_map(model.config.n_layers).items()}
-    with atomic_path(directory / SAFETENSORS) as tmp:
+    with reporting_full_disk(directory / SAFETENSORS, "weights"), atomic_path(directory / SAFETENSORS) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     with atomic_path(directory / HF_CONFIG) as tmp:
         tmp.write_text(json.dumps(bert_config_to_hf(model.config), indent=2, sort_keys=True) + "\n")

@@ -173,6 +173,8 @@ class GPT(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, "
                                  f"got {tuple(targets.shape)}")
+            if targets.dtype != torch.long:
+                raise TypeError(f"targets must hold token ids as torch.long, got {targets.dtype}")
         logits = self.lm_head(self.norm(self.hidden_states(idx, kv_caches=kv_caches)))  # (B, n, vocab_size)
         if targets is None:
             return logits, None

@@ -64,11 +64,7 @@ def _load_checkpoint_bert(directory: Path, backend: str) -> tuple[BertModel, Wor
         raise ValueError(f"{directory} holds a {checkpoint.family!r} model; expected one of "
                          f"{', '.join(BERT_FAMILIES)}")
     config = BertConfig.from_dict(checkpoint.model_config).replace(backend=backend)
-    prefix = "" if checkpoint.family == "bert" else "bert."
-    state = {name[len(prefix):]: tensor for name, tensor in checkpoint.state_dict.items()
-             if name.startswith(prefix)}
-    model = BertModel(config)
-    model.load_state_dict(state)
+    model = checkpoint.restore_model(BertModel(config), prefix="" if checkpoint.family == "bert" else "bert.")
     tokenizer = checkpoint.load_tokenizer()
     if not isinstance(tokenizer, WordPieceTokenizer):
         raise ValueError(f"{directory} holds a {tokenizer.kind} tokenizer; a BERT needs a WordPiece one")

@@ -79,8 +79,9 @@ def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
 
 def _check_options(dropout_p: float, scale: float | None) -> None:
     _checks.check_probability("dropout_p", dropout_p)
-    if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
 
 
 # ----------------------------------------------------------------------------- masks

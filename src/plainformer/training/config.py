@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Mapping
 
 from .. import _checks
@@ -29,6 +30,8 @@ def _check_non_negative_int(name: str, value: object) -> None:
 def _check_number(name: str, value: object, *, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     if not positive and not value >= 0:

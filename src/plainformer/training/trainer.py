@@ -35,6 +35,7 @@ from ..io.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from ..io.run_lock import run_lock
 from .config import TrainConfig
 from .distributed import Distributed, process_group
 from .optim import lr_at, make_optimizer, set_lr
@@ -162,6 +163,9 @@ class Trainer:
         self._elapsed_before = 0.0
         self._session_start = time.perf_counter()
         self._val_batches: list[dict[str, Tensor]] | None = None
+        self._evaluated_step: int | None = None  # the step of the latest evaluation
+        self._last_is_current = False  # last/ holds this step and everything logged so far
+        self._unlogged = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
@@ -185,14 +189,17 @@ class Trainer:
             val_loss, elapsed_before = state["val_loss"], state["elapsed_s"]
         except KeyError as e:
             raise CheckpointError(f"{path / 'trainer_state.json'} lacks {e}") from None
+        _check_trainer_state(path, state)
         try:
-            self.dist.load_model_state_dict(ckpt.state_dict)
+            self.dist.load_model_state_dict(ckpt.model_state_dict(self.model))
         except RuntimeError as e:
             raise CheckpointError(f"{path} does not fit {type(self.model).__name__}: {e}") from None
         self.dist.load_optimizer_state_dict(self.optimizer, ckpt.optimizer_state_dict(self.optimizer))
         self.step, self.data_position = step, data_position
         self.best_val_loss, self.train_loss, self.val_loss = best_val_loss, train_loss, val_loss
         self._elapsed_before = elapsed_before
+        self._evaluated_step, self._last_is_current = state.get("evaluated_step"), True
+        self._unlogged = state.get("log_window", self._unlogged)
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
     def _start_rng(self) -> None:
@@ -240,6 +247,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._last_is_current = False
         return loss_sum / cfg.grad_accum_steps, tokens, grad_norm
 
     @torch.no_grad()
@@ -263,21 +271,21 @@ class Trainer:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
         dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
         and stopped_by.
-        Raises TrainingInterrupted after Ctrl-C, with `last/` saved."""
-        with self._group:
+        Raises TrainingInterrupted after Ctrl-C, with `last/` saved. The run directory is locked
+        meanwhile: a second run on it raises RunDirectoryBusy."""
+        with self._group, run_lock(self.out_dir) if self.dist.is_main else contextlib.nullcontext():
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_rng()
         if self.dist.is_main:
             print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
             _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
-        watch, window = _Stopwatch(self.device), _LogWindow(self.device)
-        evaluated = saved = None  # the steps of this session's latest evaluation and save of last/
+        watch, window = _Stopwatch(self.device), _LogWindow(self.device, **self._unlogged)
+        self._window = window
         stopped_by, grad_norm = "max_steps", None
         log_path = self.metrics_path if self.dist.is_main else os.devnull
         with _InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
@@ -298,9 +306,9 @@ class Trainer:
                 if self.step % cfg.log_interval == 0 or interrupted:
                     self._log_train(window, watch.total, grad_norm, bar)
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                    evaluated = self._evaluate_and_keep_best()
+                    self._evaluate_and_keep_best()
                 if (cfg.save_interval and self.step % cfg.save_interval == 0) or interrupted:
-                    saved = self._save_last()
+                    self._save_last()
                 if interrupted:
                     bar.close()
                     self._plot()
@@ -308,9 +316,9 @@ class Trainer:
             watch.stop()
             if window.steps:
                 self._log_train(window, watch.total, grad_norm, bar)
-            if evaluated != self.step:
+            if self._evaluated_step != self.step:
                 self._evaluate_and_keep_best()
-            if saved != self.step:
+            if not self._last_is_current:
                 self._save_last()
         self._plot()
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
@@ -340,23 +348,24 @@ class Trainer:
     def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
         self.train_loss, tokens_per_s = window.flush(train_seconds, self.dist.mean)
+        self._last_is_current = False
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
                      elapsed_s=self._elapsed(), **extra)
         bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}")
 
-    def _evaluate_and_keep_best(self) -> int:
+    def _evaluate_and_keep_best(self) -> None:
         self.val_loss = self.evaluate()
+        self._evaluated_step, self._last_is_current = self.step, False
         self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
         if self.best_val_loss is None or self.val_loss < self.best_val_loss:
             self.best_val_loss = self.val_loss
             self._save("best", with_optimizer=False)
-        return self.step
 
-    def _save_last(self) -> int:
+    def _save_last(self) -> None:
         self._save("last", with_optimizer=True)
-        return self.step
+        self._last_is_current = True
 
     def _save(self, name: str, *, with_optimizer: bool) -> None:
         """Every rank gathers the full state and its RNG state to rank 0, which writes the checkpoint."""
@@ -372,7 +381,8 @@ class Trainer:
             trainer_state={"step": self.step, "data_position": self.data_position,
                            "best_val_loss": self.best_val_loss, "train_loss": self.train_loss,
                            "val_loss": self.val_loss, "elapsed_s": self._elapsed(),
-                           "world_size": self.dist.world_size},
+                           "world_size": self.dist.world_size,
+                           "evaluated_step": self._evaluated_step, "log_window": self._window.state()},
             rng_states=rng_states)
 
 
@@ -380,9 +390,9 @@ class _LogWindow:
     """Loss and input tokens since the last log line. The loss stays a device tensor until it is
     logged, so the hot loop never waits on `.item()`."""
 
-    def __init__(self, device: torch.device):
-        self.loss = torch.zeros((), device=device)
-        self.steps = self.tokens = self.total_tokens = 0
+    def __init__(self, device: torch.device, loss_sum: float = 0.0, steps: int = 0):
+        self.loss = torch.tensor(loss_sum, device=device)
+        self.steps, self.tokens, self.total_tokens = steps, 0, 0
         self._mark = 0.0  # training seconds at the last flush
         self._after_first: tuple[int, float] | None = None  # (total_tokens, seconds) after step 1
 
@@ -393,6 +403,11 @@ class _LogWindow:
         self.total_tokens += tokens
         if self._after_first is None:
             self._after_first = (self.total_tokens, train_seconds)
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs to log the same mean loss: the unlogged steps' loss sum (float32,
+        exact in JSON) and their number."""
+        return {"loss_sum": self.loss.item(), "steps": self.steps}
 
     def throughput(self, train_seconds: float) -> float:
         """Input tokens per training second over the session, leaving out the first step (it pays
@@ -415,14 +430,40 @@ class _LogWindow:
         return mean_loss, tokens_per_s
 
 
+def _check_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
+    """The fields a resume reads have the types `_save` writes."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    window = state.get("log_window", {"loss_sum": 0.0, "steps": 0})
+    valid = {
+        "step": count(state["step"]), "data_position": count(state["data_position"]),
+        "evaluated_step": state.get("evaluated_step") is None or count(state["evaluated_step"]),
+        "elapsed_s": number(state["elapsed_s"]),
+        **{k: state[k] is None or number(state[k]) for k in ("best_val_loss", "train_loss", "val_loss")},
+        "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
+                      and number(window["loss_sum"]) and count(window["steps"]),
+    }
+    bad = [name for name, ok in valid.items() if not ok]
+    if bad:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: {', '.join(bad)} malformed "
+                              "(expected counts >= 0 and numbers)")
+
+
 def _keep_metrics_until(path: Path, step: int) -> None:
     """Drop the lines of steps after `step` (a resumed run logs them again; a fresh run, step 0,
-    starts an empty file). Rewritten atomically."""
+    starts an empty file), and lines that are not a record of a step (the half-written last line of
+    a killed run). Rewritten atomically."""
     kept = []
     if step > 0 and path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             with contextlib.suppress(json.JSONDecodeError):
-                if json.loads(line)["step"] <= step:
+                record = json.loads(line)
+                logged = record.get("step") if isinstance(record, dict) else None
+                if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
                     kept.append(line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept))

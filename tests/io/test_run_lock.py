@@ -1,0 +1,53 @@
+"""Tests for plainformer.io.run_lock: one owner per run directory, released by the kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from plainformer.io.run_lock import LOCK_FILE, RunDirectoryBusy, run_lock
+
+HOLD = """
+import sys, time
+from plainformer.io.run_lock import run_lock
+with run_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_owner_is_refused_naming_the_first_owners_pid(tmp_path):
+    with run_lock(tmp_path / "run"):
+        with pytest.raises(RunDirectoryBusy) as info, run_lock(tmp_path / "run"):
+            pass
+    assert str(info.value) == (f"{tmp_path / 'run'} is in use by another run (pid {os.getpid()}); wait for "
+                               "it to finish or stop it, or choose another output directory")
+    assert isinstance(info.value, OSError)
+
+
+def test_the_lock_is_released_on_leaving_the_block_also_by_an_exception(tmp_path):
+    with pytest.raises(KeyError), run_lock(tmp_path):
+        raise KeyError("boom")
+    with run_lock(tmp_path) as path:
+        assert path == tmp_path / LOCK_FILE and path.read_text() == f"{os.getpid()}\n"
+
+
+def test_the_kernel_releases_the_lock_of_a_killed_owner(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    owner = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert owner.stdout.readline() == b"locked\n"
+        with pytest.raises(RunDirectoryBusy, match=f"pid {owner.pid}"), run_lock(tmp_path):
+            pass
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    with run_lock(tmp_path) as path:  # nothing left to clean up: the file's pid is simply overwritten
+        assert path.read_text() == f"{os.getpid()}\n"

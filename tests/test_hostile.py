@@ -1,0 +1,450 @@
+"""Hostile input end to end (issue 14): crafted checkpoints and Hugging Face directories through the
+command line, a full disk, kill -9 at spread-out moments, non-finite numbers at the Python API.
+
+Every hostile file must end in one line `plainformer: error: ...` naming the file and the field, exit
+status 2, no traceback and no signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import math
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import plainformer as pf
+from plainformer.cli import main
+from plainformer.data import lm
+from plainformer.data.corpus import load_split
+from plainformer.data.tokenizers import CharTokenizer
+from plainformer.io import checkpoint
+from plainformer.io.atomic import DiskFullError
+from plainformer.io.checkpoint import load_checkpoint
+from plainformer.io.hf_bert import load_hf_bert_tokenizer, save_hf_bert
+from plainformer.io.run_lock import RunDirectoryBusy, run_lock
+
+TINY_GPT = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--block-size", "8",
+            "--batch-size", "2", "--eval-batches", "1", "--eval-interval", "0", "--warmup-steps", "1",
+            "--save-interval", "1", "--no-progress"]
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    works = [f"ACT {i}. To be, or not to be, that is the question {i}.\n" * 20 for i in range(5)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n\n".join(works), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus) -> Path:
+    """A 3-step tiny GPT run directory (last/ with optimizer state, best/), made by the CLI."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PLAINFORMER_CACHE", str(out.parent / "cache"))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "3", *TINY_GPT]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_bert_dir(tmp_path_factory) -> Path:
+    """A tiny Hugging Face BERT directory (config.json, model.safetensors, MiniLM's tokenizer)."""
+    directory = tmp_path_factory.mktemp("hf") / "bert"
+    tokenizer = load_hf_bert_tokenizer("minilm")
+    config = pf.BertConfig(vocab_size=tokenizer.vocab_size, max_len=32, n_layers=1, n_heads=2, d_model=8, d_ff=16)
+    torch.manual_seed(0)
+    save_hf_bert(pf.BertModel(config), directory, tokenizer=tokenizer)
+    return directory
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_one_error_line(code: int, stderr: str, message: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("plainformer: error: ")]
+    assert code == 2, stderr
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert re.search(message, errors[0]), errors[0]
+    return errors[0]
+
+
+# ----------------------------------------------------------------------------- crafted checkpoints
+
+def _rewrite_manifest(directory: Path) -> None:
+    (directory / "manifest.json").unlink()
+    checkpoint._write_manifest(directory)
+
+
+def _tensors(directory: Path, name: str, edit, metadata: dict | None = None) -> None:
+    path = directory / name
+    with checkpoint.safe_open(path, "pt") as f:
+        kept = f.metadata() if metadata is None else metadata
+    save_file(edit(load_file(path)), path, metadata=kept)
+    _rewrite_manifest(directory)
+
+
+def _json(directory: Path, name: str, edit, *, rewrite: bool = True) -> None:
+    path = directory / name
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    if rewrite:
+        _rewrite_manifest(directory)
+
+
+def _first(tensors: dict, suffix: str) -> str:
+    return sorted(k for k in tensors if k.endswith(suffix))[0]
+
+
+def _wrong_shape(t: dict) -> dict:
+    return {**t, _first(t, ".exp_avg"): torch.zeros(3)}
+
+
+def _manifest_entry(directory: Path, name: str, entry) -> None:
+    _json(directory, "manifest.json", lambda m: {**m, "files": {**m["files"], name: entry}}, rewrite=False)
+
+
+RESUME, SAMPLE = "resume", "sample"
+CHECKPOINT_CASES = {
+    "optimizer tensor of the wrong shape (SIGSEGV in fused AdamW)": (
+        RESUME, lambda r: _tensors(r / "last", "optimizer.safetensors", _wrong_shape),
+        r"optimizer\.safetensors: state\.\d+\.exp_avg has shape \(3,\)"),
+    "optimizer step of shape (3,)": (
+        RESUME, lambda r: _tensors(r / "last", "optimizer.safetensors",
+                                   lambda t: {**t, _first(t, ".step"): torch.zeros(3)}),
+        r"state\.\d+\.step must be a float scalar"),
+    "optimizer exp_avg as int32": (
+        RESUME, lambda r: _tensors(r / "last", "optimizer.safetensors",
+                                   lambda t: {**t, _first(t, ".exp_avg"): t[_first(t, ".exp_avg")].int()}),
+        r"exp_avg has dtype torch\.int32, expected torch\.float32"),
+    "a parameter's optimizer state dropped": (
+        RESUME, lambda r: _tensors(r / "last", "optimizer.safetensors",
+                                   lambda t: {k: v for k, v in t.items() if k != _first(t, ".exp_avg_sq")}),
+        r"the state of parameter \d+ holds \['exp_avg', 'step'\]"),
+    "trainer step as a string": (
+        RESUME, lambda r: _json(r / "last", "trainer_state.json", lambda s: {**s, "step": "3"}),
+        r"trainer_state\.json: step malformed"),
+    "int32 weights for a float model": (
+        SAMPLE, lambda r: _tensors(r / "best", "model.safetensors",
+                                   lambda t: {**t, "blocks.0.ff.W_1.weight": t["blocks.0.ff.W_1.weight"].int()}),
+        r"model\.safetensors does not fit GPT: blocks\.0\.ff\.W_1\.weight has dtype torch\.int32"),
+    "manifest entry without sha256": (
+        SAMPLE, lambda r: _manifest_entry(r / "best", "config.json", {"size": 1}),
+        r"manifest\.json: the entry of 'config\.json' must be an object with an integer 'size' and a 'sha256'"),
+    "manifest entry outside the checkpoint": (
+        SAMPLE, lambda r: _manifest_entry(r / "best", "../../etc/hostname", {"size": 1, "sha256": "0"}),
+        r"lists '\.\./\.\./etc/hostname', which is not a file name inside the checkpoint"),
+    "alias metadata as a list": (
+        SAMPLE, lambda r: _tensors(r / "best", "model.safetensors", lambda t: t,
+                                   metadata={"format": "pt", "plainformer.aliases": "[]"}),
+        r"'plainformer\.aliases' must map names to names, got \[\]"),
+    "format_version as a string": (
+        SAMPLE, lambda r: _json(r / "best", "config.json", lambda c: {**c, "format_version": "1"}),
+        r"config\.json: 'format_version' has the wrong type \(str\)"),
+    "manifest as a list": (
+        SAMPLE, lambda r: (r / "best" / "manifest.json").write_text("[]"), r"manifest\.json has no 'files' table"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_a_hostile_checkpoint_gives_one_error_line(case, capsys, tmp_path, trained_run, corpus, cache):
+    command, damage, message = CHECKPOINT_CASES[case]
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    damage(run)
+    if command == RESUME:
+        argv = ["train", "--data", corpus, "--out", run, "--resume", "--max-steps", "4", *TINY_GPT]
+    else:
+        argv = ["sample", "--ckpt", run, "--max-new-tokens", "2"]
+    assert_one_error_line(*run_cli(capsys, *argv), message)
+
+
+def test_the_crafted_optimizer_file_is_refused_without_a_signal(tmp_path, trained_run, corpus):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    _tensors(run / "last", "optimizer.safetensors", _wrong_shape)
+    result = subprocess.run(
+        [sys.executable, "-m", "plainformer", "train", "--data", str(corpus), "--out", str(run), "--resume",
+         "--max-steps", "4", *TINY_GPT], capture_output=True, text=True, timeout=300,
+        env={**CHILD_ENV, "PLAINFORMER_CACHE": str(trained_run.parent / "cache")})
+    assert result.returncode == 2, result.stderr  # a signal would be negative
+    assert_one_error_line(result.returncode, result.stderr, r"exp_avg has shape \(3,\)")
+
+
+def test_a_metrics_line_without_step_does_not_stop_a_resume(capsys, tmp_path, trained_run, corpus, cache):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"val_loss": 1.0}\n')
+    code, _ = run_cli(capsys, "train", "--data", corpus, "--out", run, "--resume", "--max-steps", "4", *TINY_GPT)
+    assert code == 0
+    assert all("step" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+
+
+# ----------------------------------------------------------------------------- Hugging Face directories
+
+class Payload:
+    """What a hostile pickle carries: code to run on load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _hostile_bin(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    torch.save({"embeddings.word_embeddings.weight": Payload(d / "PWNED")}, d / "pytorch_model.bin")
+
+
+HF_CASES = {
+    "config.json not JSON": (lambda d: (d / "config.json").write_text("{oops"), r"config\.json is not valid JSON"),
+    "config.json a list": (lambda d: (d / "config.json").write_text("[]"), r"config\.json must hold a JSON object"),
+    "garbage model.safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x10" * 64),
+                                  r"model\.safetensors is not a valid safetensors file"),
+    "int32 weights": (lambda d: save_file({k: v.int() for k, v in load_file(d / "model.safetensors").items()},
+                                          d / "model.safetensors"), r"holds non-floating-point weights"),
+    "hostile pytorch_model.bin": (_hostile_bin, r"pytorch_model\.bin is not loadable safely .*; "
+                                                r"convert it to model\.safetensors$"),
+    "pytorch_model.bin holding a list": (lambda d: ((d / "model.safetensors").unlink(),
+                                                    torch.save([torch.zeros(1)], d / "pytorch_model.bin")),
+                                         r"pytorch_model\.bin does not hold a state dict"),
+    "garbage pytorch_model.bin": (lambda d: ((d / "model.safetensors").unlink(),
+                                             (d / "pytorch_model.bin").write_bytes(b"PK\x03\x04 junk")),
+                                  r"pytorch_model\.bin is not a readable PyTorch weights file"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_a_hostile_hugging_face_directory_gives_one_error_line(case, capsys, tmp_path, hf_bert_dir):
+    damage, message = HF_CASES[case]
+    directory = tmp_path / "bert"
+    shutil.copytree(hf_bert_dir, directory)
+    damage(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, stderr = run_cli(capsys, "embed", "hello", "--model", directory)
+    line = assert_one_error_line(code, stderr, message)
+    assert "weights_only" not in stderr and not (directory / "PWNED").exists(), line
+
+
+def test_the_tiny_hugging_face_directory_itself_embeds(capsys, hf_bert_dir):
+    code, _ = run_cli(capsys, "embed", "hello", "--model", hf_bert_dir)
+    assert code == 0
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_a_bert_checkpoint_with_integer_weights_is_refused_by_embed(capsys, tmp_path, hf_bert_dir, integer):
+    bert = pf.load_hf_bert(hf_bert_dir)
+    checkpoint.save_checkpoint(tmp_path / "ckpt", model=bert, family="bert", model_config=bert.config.to_dict(),
+                               tokenizer=load_hf_bert_tokenizer(hf_bert_dir))
+    if integer:
+        _tensors(tmp_path / "ckpt", "model.safetensors", lambda t: {k: v.int() for k, v in t.items()})
+        assert_one_error_line(*run_cli(capsys, "embed", "hello", "--model", tmp_path / "ckpt"),
+                              r"model\.safetensors does not fit BertModel: .* has dtype torch\.int32")
+    else:
+        assert run_cli(capsys, "embed", "hello", "--model", tmp_path / "ckpt")[0] == 0
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+FULL = checkpoint.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_survives(
+        capsys, tmp_path, trained_run, corpus, cache, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+
+    def full(*args, **kwargs):
+        raise FULL
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    code, stderr = run_cli(capsys, "train", "--data", corpus, "--out", run, "--resume", "--max-steps", "4",
+                           *TINY_GPT)
+    assert_one_error_line(code, stderr, rf"the disk is full: could not write checkpoint {run / 'last'}")
+    monkeypatch.undo()
+    assert load_checkpoint(run / "last").trainer_state["step"] == 3
+    assert not list(run.glob(".*.tmp-*"))
+
+
+def test_a_full_disk_while_writing_hugging_face_weights_is_one_error(tmp_path, hf_bert_dir, monkeypatch):
+    from plainformer.io import hf_bert
+
+    def full(*args, **kwargs):
+        raise FULL
+
+    monkeypatch.setattr(hf_bert, "save_file", full)
+    with pytest.raises(DiskFullError, match=f"could not write weights {tmp_path / 'out' / 'model.safetensors'}"):
+        save_hf_bert(pf.load_hf_bert(hf_bert_dir), tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class FullFile(io.BytesIO):
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_caching_tokens_is_one_error_and_leaves_no_file(tmp_path, monkeypatch):
+    split = load_split(None)
+    monkeypatch.setattr(lm, "open", lambda path, mode: FullFile(), raising=False)
+    with pytest.raises(DiskFullError, match=r"the disk is full: could not write the token cache .*\.bin; "):
+        lm.token_array(split, "val", CharTokenizer(split.text), cache_dir=tmp_path)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; the monkeypatched variant runs anyway")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_really_full_disk_under_the_token_cache_is_one_error_line(capsys, small_tmpfs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(small_tmpfs))
+    text = tmp_path / "big.txt"
+    text.write_text("\n\n\n".join(f"Work {i}. " + "all the world's a stage " * 3000 for i in range(4)))
+    code, stderr = run_cli(capsys, "train", "--data", text, "--out", tmp_path / "run", "--max-steps", "1",
+                           *TINY_GPT)
+    assert_one_error_line(code, stderr, rf"the disk is full: could not write the token cache {small_tmpfs}/")
+    assert not [p for p in small_tmpfs.rglob("*.tmp")]
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+CHILD = """
+import sys, time
+import torch
+import plainformer as pf
+from plainformer.training.config import TrainConfig
+from plainformer.training.trainer import Trainer
+
+class Counting:
+    def get_batch(self, split, index, batch_size):
+        if split == "train":
+            print(index, flush=True)
+            time.sleep(0.01)
+        g = torch.Generator().manual_seed(2 * index + (split == "val"))
+        x = (torch.randint(11, (batch_size, 1), generator=g) + torch.arange(9)) % 11  # (B, T + 1)
+        return {"idx": x[:, :-1], "targets": x[:, 1:]}
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = pf.GPT(pf.GPTConfig(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32, dropout=0.1))
+config = TrainConfig(max_steps=16, batch_size=4, lr=1e-2, min_lr=1e-3, warmup_steps=2, log_interval=4,
+                     eval_interval=7, eval_batches=2, save_interval=1, seed=3)
+Trainer(model, Counting(), config, sys.argv[1], resume=sys.argv[2] == "resume", progress=False).fit()
+"""
+DETERMINISTIC = ("step", "train_loss", "val_loss", "lr", "grad_norm")
+
+
+def _child(out: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(out), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=CHILD_ENV)
+
+
+def _logged(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k in DETERMINISTIC} for line in lines]
+
+
+def _finish(child: subprocess.Popen) -> None:
+    _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr.decode()
+
+
+def test_kill_9_at_spread_out_moments_loses_nothing(tmp_path):
+    _finish(_child(tmp_path / "reference", "fresh"))
+    out, rng = tmp_path / "run", random.Random(14)
+    for target, mode in ((3, "fresh"), (8, "resume"), (13, "resume")):
+        child = _child(out, mode)
+        try:
+            while int(child.stdout.readline() or -1) < target:
+                assert child.poll() is None, child.stderr.read().decode()
+            with pytest.raises(RunDirectoryBusy, match=f"pid {child.pid}"), run_lock(out):
+                pass
+            time.sleep(rng.uniform(0, 0.02))  # somewhere in a step: training, saving or logging
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        assert child.returncode == -signal.SIGKILL
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "loading .last.old": a kill between the two renames
+            assert load_checkpoint(out / "last").trainer_state["step"] >= 1
+    _finish(_child(out, "resume"))
+    assert _logged(out) == _logged(tmp_path / "reference")
+    assert not list(out.glob(".*.tmp-*")) and not (out / ".last.old").exists()
+    with run_lock(out):  # free again
+        pass
+
+
+# ----------------------------------------------------------------------------- numbers at the API
+
+def _gpt() -> pf.GPT:
+    torch.manual_seed(0)
+    return pf.GPT(pf.GPTConfig(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: pf.scaled_dot_product_attention(*torch.randn(3, 1, 4, 8), scale=math.nan), ValueError, "scale must be"),
+    (lambda: pf.scaled_dot_product_attention(*torch.randn(3, 1, 4, 8), scale=math.inf), ValueError, "scale must be"),
+    (lambda: _gpt()(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4)), TypeError,
+     r"targets must hold token ids as torch\.long, got torch\.float32"),
+    (lambda: _gpt()(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.int32)), TypeError,
+     r"targets must hold token ids as torch\.long"),
+    (lambda: _gpt().generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=math.nan), ValueError,
+     r"temperature must be a number >= 0 \(0 = greedy\) and finite, got nan"),
+    (lambda: pf.sample_next(torch.randn(2, 5), temperature=math.inf), ValueError, "temperature must be"),
+    (lambda: pf.sample_next(torch.full((2, 5), -math.inf)), ValueError,
+     r"logits rows \[0, 1\] hold NaN or \+inf, or only -inf: there is no distribution to sample from"),
+    (lambda: pf.sample_next(torch.tensor([[0.0, 1.0], [math.nan, 0.0]])), ValueError, r"logits rows \[1\]"),
+    (lambda: pf.sample_next(torch.tensor([[math.inf, 0.0]])), ValueError, r"logits rows \[0\]"),
+])
+def test_non_finite_and_mistyped_numbers_are_refused_at_the_api(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_sampling_with_some_minus_inf_logits_draws_only_the_finite_ones():
+    logits = torch.tensor([[-math.inf, 0.0, -math.inf], [1.0, -math.inf, 1.0]]).repeat(50, 1)
+    drawn = pf.sample_next(logits, generator=torch.Generator().manual_seed(0))
+    assert set(drawn[0::2].tolist()) == {1} and set(drawn[1::2].tolist()) == {0, 2}
+
+
+def test_pickle_payload_would_run_if_unpickled(tmp_path):
+    """The hostile file above is really hostile: plain pickle runs its payload."""
+    marker = tmp_path / "PWNED"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
