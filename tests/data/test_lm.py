@@ -43,9 +43,11 @@ def test_bundled_validation_works_are_the_last_works_in_works_tsv(bundled):
     assert [w.title for w in bundled.val_works] == titles[34:]
     train_start, train_end = bundled.span("train")
     val_start, val_end = bundled.span("val")
-    assert (train_start, val_end) == (0, len(bundled.text)) and train_end < val_start
+    assert (train_start, val_end) == (0, len(bundled.text) - 1) and train_end < val_start
     assert bundled.text[val_start:].startswith("THE HISTORY OF TROILUS AND CRESSIDA")
-    assert bundled.text[train_end:val_start] == "\n\n\n"
+    assert bundled.text[train_end:val_start] == "\n\n\n\n"  # each work's final newline, then the separator
+    val_chars = sum(w.end - w.start for w in bundled.val_works)
+    assert val_chars == 524_941 - 4 and round(val_chars / len(bundled.text), 3) == 0.111
 
 
 def test_user_text_is_split_by_blocks_between_two_blank_lines():
@@ -61,18 +63,24 @@ def test_user_text_is_split_by_blocks_between_two_blank_lines():
     assert val_text.startswith("WORK 18") and "WORK 17" not in val_text
 
 
-def test_validation_holds_at_least_one_work_and_never_all():
-    assert [w.title for w in split_text(make_works(3)).val_works] == ["WORK 2"]
+def test_a_last_work_above_twice_the_share_is_cut_by_lines_and_training_keeps_a_part():
+    # Three works of equal length: the last is 33% of the text, above 2 x 10%, so only its last lines go.
+    split = split_text(make_works(3))
+    assert [w.title for w in split.train_works] == ["WORK 0", "WORK 1", "WORK 2 (lines 1-3)"]
+    assert [w.title for w in split.val_works] == ["WORK 2 (lines 4-6)"]
+    assert split.text[slice(*split.span("val"))] == "Line two:\n  three,\nfour: 2!"
+    # val_fraction 0.9 reaches into the first work, which training needs: it is cut too.
     split = split_text(make_works(2), val_fraction=0.9)
-    assert len(split.train_works) == len(split.val_works) == 1
+    assert [w.title for w in split.train_works] == ["WORK 0 (lines 1-2)"]
+    assert [w.title for w in split.val_works] == ["WORK 0 (lines 3-6)", "WORK 1"]
 
 
-def test_a_single_work_falls_back_to_the_last_tenth_of_its_lines():
+def test_a_single_work_is_cut_by_lines_at_a_tenth_of_its_characters():
     lines = [f"line {i}\n" for i in range(1, 51)]
     split = split_text("".join(lines))
-    assert split.text[slice(*split.span("val"))] == "".join(lines[45:])
+    assert split.text[slice(*split.span("val"))] == "".join(lines[45:]).rstrip()  # 39 of 390 characters
     assert split.text[slice(*split.span("train"))] == "".join(lines[:45])
-    assert [w.title for w in split.val_works] == ["lines 46-50"]
+    assert [w.title for w in split.val_works] == ["line 1 (lines 46-50)"]
     short = split_text("first\nsecond")  # no final newline
     assert short.text[slice(*short.span("val"))] == "second"
     with pytest.raises(ValueError, match="single line"):
@@ -101,6 +109,15 @@ def test_load_text_reads_utf8_and_reports_bad_files(tmp_path):
         load_text(empty)
 
 
+def joined_encoding(tok, docs):
+    """The reference: each document encoded whole, joined by [eos] or, without it, by encode("\\n\\n")."""
+    separator = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
+    ids = tok.encode(docs[0])
+    for doc in docs[1:]:
+        ids += separator + tok.encode(doc)
+    return ids
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(data, "ENCODE_CHUNK_CHARS", 21)
@@ -116,7 +133,7 @@ def test_memmap_token_arrays_equal_direct_encoding(tmp_path, small_chunks, kind)
     for which in ("train", "val"):
         tokens = token_array(split, which, tok, cache_dir=tmp_path)
         assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
-        assert tokens.tolist() == tok.encode(split.text[slice(*split.span(which))])
+        assert tokens.tolist() == joined_encoding(tok, list(split.documents(which)))
     assert not [p for p in (tmp_path / "tokens").iterdir() if p.name.startswith(".")]
 
 
@@ -140,13 +157,13 @@ def test_an_interrupted_encoding_leaves_no_cache_entry(tmp_path, small_chunks, m
     tok = CharTokenizer(split.text)
     calls = []
 
-    def encode_then_fail(texts):
-        calls.append(len(texts))
-        if len(calls) == 2:
+    def encode_then_fail(text):
+        calls.append(len(text))
+        if len(calls) == 5:
             raise KeyboardInterrupt
-        return [tok.encode(t) for t in texts]
+        return CharTokenizer.encode_array(tok, text)
 
-    monkeypatch.setattr(tok, "encode_many", encode_then_fail)
+    monkeypatch.setattr(tok, "encode_array", encode_then_fail)
     with pytest.raises(KeyboardInterrupt):
         token_array(split, "train", tok, cache_dir=tmp_path)
     assert list((tmp_path / "tokens").iterdir()) == []
@@ -170,9 +187,10 @@ def test_build_tokenizer_validates_its_arguments():
 def test_prepare_lm_data_on_the_bundled_corpus(tmp_path, bundled):
     prepared = prepare_lm_data(cache_dir=tmp_path)
     assert prepared.tokenizer.vocab_size == 84
-    assert len(prepared.train_tokens) == bundled.span("train")[1]
-    val_start, val_end = bundled.span("val")
-    assert prepared.val_tokens.tolist() == prepared.tokenizer.encode(bundled.text[val_start:val_end])
+    # 34 training works joined by 33 blank lines of two characters each.
+    assert len(prepared.train_tokens) == sum(w.end - w.start for w in bundled.train_works) + 2 * 33
+    assert prepared.val_tokens.tolist() == prepared.tokenizer.encode("\n\n".join(bundled.documents("val")))
+    assert prepared.stats.val.documents == 4 and round(prepared.stats.val_share, 3) == 0.111
 
 
 def test_prepare_lm_data_with_a_given_tokenizer_encodes_a_user_file(tmp_path):
@@ -181,7 +199,8 @@ def test_prepare_lm_data_with_a_given_tokenizer_encodes_a_user_file(tmp_path):
     tok = CharTokenizer(make_works(10) + "xyz")
     prepared = prepare_lm_data(path, tokenizer=tok, cache_dir=tmp_path / "cache")
     assert prepared.tokenizer is tok
-    assert tok.decode(prepared.val_tokens) == prepared.split.text[slice(*prepared.split.span("val"))]
+    split = split_text(make_works(10))
+    assert tok.decode(prepared.val_tokens) == "\n\n".join(split.documents("val"))
 
 
 @pytest.fixture
