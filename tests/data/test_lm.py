@@ -1,4 +1,5 @@
 import hashlib
+import os
 import importlib.resources
 
 import numpy as np
@@ -251,3 +252,213 @@ def test_batch_source_rejects_bad_arguments(source):
         source.get_batch("train", -1, 2)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         source.get_batch("train", 0, 0)
+
+
+# ----------------------------------------------------------------------------- prepare_lm_data: files
+
+def random_documents(sizes, seed=0):
+    """Documents of about the given sizes in characters: lines of words, single blank lines inside."""
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "said", "and", "été", "naïve", "thou", "art", "a", "fool", "Ἀθῆναι", "to", "be"]
+    docs = []
+    for size in sizes:
+        lines, length = [], 0
+        while length < size:
+            line = " ".join(rng.choice(words, rng.integers(1, 12)))
+            line = "" if rng.random() < 0.05 and lines and lines[-1] else line  # never two blank lines
+            lines.append(line)
+            length += len(line) + 1
+        docs.append("\n".join(lines).strip())
+    return docs
+
+
+def write_corpus(path, docs):
+    path.write_text("\n\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def test_long_last_documents_hold_out_a_share_true_to_the_characters(tmp_path):
+    # By count of documents (the last 10% of 30) validation would be the 3 long ones: 77% of the text.
+    docs = random_documents([10_000] * 27 + [300_000] * 3)
+    prepared = prepare_lm_data(write_corpus(tmp_path / "c.txt", docs), cache_dir=tmp_path / "cache")
+    val_share = len(prepared.val_tokens) / (len(prepared.train_tokens) + len(prepared.val_tokens))
+    assert 0.05 <= val_share <= 0.2
+    assert 0.1 <= prepared.stats.val_share < 0.1 + 0.001  # at least 10% of the characters, by whole lines
+    assert (prepared.stats.train.documents, prepared.stats.val.documents) == (30, 1)  # the last one is cut
+    assert "document 30 of 30" in prepared.stats.note and "cut by lines" in prepared.stats.note
+    val_text = prepared.tokenizer.decode(prepared.val_tokens)
+    assert docs[-1].endswith(val_text) and docs[-1][-len(val_text) - 1] == "\n"
+
+
+def test_whole_documents_go_to_validation_when_they_fit_twice_the_share(tmp_path):
+    docs = random_documents([2_000] * 20, seed=1)
+    logged = []
+    prepared = prepare_lm_data(write_corpus(tmp_path / "c.txt", docs), cache_dir=tmp_path / "cache",
+                               log=logged.append)
+    lengths = np.array([len(d) for d in docs])
+    n_val = next(k for k in range(1, 21) if lengths[-k:].sum() >= 0.1 * lengths.sum())
+    assert prepared.stats.val == type(prepared.stats.val)(n_val, int(lengths[-n_val:].sum()), len(prepared.val_tokens))
+    assert prepared.stats.note is None
+    assert logged[0] == (f"train: {20 - n_val} documents, {lengths[:-n_val].sum():,} characters, "
+                         f"{len(prepared.train_tokens):,} tokens")
+    assert logged[1].startswith(f"val: {n_val} documents") and len(logged) == 2
+
+
+def test_a_one_document_corpus_splits_by_lines(tmp_path):
+    doc = random_documents([20_000], seed=2)[0]
+    prepared = prepare_lm_data(write_corpus(tmp_path / "one.txt", [doc]), cache_dir=tmp_path / "cache")
+    train, val = (prepared.tokenizer.decode(t) for t in (prepared.train_tokens, prepared.val_tokens))
+    assert train + val == doc and train.endswith("\n")
+    assert 0.1 <= len(val) / len(doc) < 0.11
+
+
+def test_a_boundary_document_without_a_line_break_goes_whole_and_the_log_says_why(tmp_path):
+    docs = random_documents([1_000] * 5, seed=3) + ["x " * 3_000]
+    logged = []
+    prepared = prepare_lm_data(write_corpus(tmp_path / "c.txt", docs), cache_dir=tmp_path / "cache",
+                               log=logged.append)
+    assert prepared.stats.val.documents == 1 and prepared.stats.val_share > 0.5
+    assert logged[-1].startswith("note: document 6 of 6") and "no line break" in logged[-1]
+
+
+def test_the_split_is_the_same_in_every_run(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", random_documents([3_000] * 7 + [40_000], seed=4))
+    first, second = (prepare_lm_data(path, cache_dir=tmp_path / name) for name in ("a", "b"))
+    assert first.directory != second.directory
+    assert np.array_equal(first.train_tokens, second.train_tokens)
+    assert np.array_equal(first.val_tokens, second.val_tokens)
+    assert first.stats == second.stats
+
+
+def test_val_data_is_the_validation_split(tmp_path):
+    docs = random_documents([1_000] * 6, seed=5)
+    train_path = write_corpus(tmp_path / "train.txt", docs[:4])
+    val_path = write_corpus(tmp_path / "val.txt", docs[4:])
+    prepared = prepare_lm_data(train_path, val_path=val_path, cache_dir=tmp_path / "cache")
+    tok = prepared.tokenizer
+    assert prepared.train_tokens.tolist() == tok.encode("\n\n".join(docs[:4]))
+    assert prepared.val_tokens.tolist() == tok.encode("\n\n".join(docs[4:]))
+    assert prepared.stats.note == f"validation is {val_path}"
+    again = prepare_lm_data(train_path, cache_dir=tmp_path / "cache")
+    assert len(again.train_tokens) < len(prepared.train_tokens)  # without it, the end of train.txt validates
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.parametrize("form", ["gz", "folder", "glob", "jsonl", "jsonl.gz"])
+def test_every_input_form_gives_the_tokens_of_one_text_file(tmp_path, form, kind):
+    from tests.data.test_sources import write_forms
+
+    docs = random_documents([700] * 12, seed=6)
+    forms = write_forms(tmp_path / "data", docs)
+    vocab_size = None if kind == "char" else 320
+    reference = prepare_lm_data(forms["file"], tokenizer=kind, vocab_size=vocab_size, cache_dir=tmp_path / "c")
+    prepared = prepare_lm_data(forms[form], tokenizer=kind, vocab_size=vocab_size, cache_dir=tmp_path / "c")
+    assert prepared.directory != reference.directory
+    assert prepared.tokenizer.fingerprint == reference.tokenizer.fingerprint
+    assert np.array_equal(prepared.train_tokens, reference.train_tokens)
+    assert np.array_equal(prepared.val_tokens, reference.val_tokens)
+
+
+def test_a_bpe_tokenizer_built_here_ends_documents_with_eos(tmp_path):
+    docs = random_documents([800] * 10, seed=7)
+    prepared = prepare_lm_data(write_corpus(tmp_path / "c.txt", docs), tokenizer="bpe", vocab_size=300,
+                               cache_dir=tmp_path / "cache")
+    tok = prepared.tokenizer
+    assert tok.special_tokens == {"eos": "<eos>"} and tok.eos_id == 0
+    n_train = prepared.stats.train.documents
+    assert prepared.train_tokens.tolist() == joined_encoding(tok, docs[:n_train])
+    assert int((prepared.train_tokens == tok.eos_id).sum()) == n_train - 1
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_streamed_preparation_equals_the_in_memory_path(tmp_path, monkeypatch, kind):
+    from plainformer.data import sources
+
+    # Reading blocks and encoding chunks many times smaller than the file; one line longer than
+    # LONG_LINE_CHUNKS chunks exercises the cut between words.
+    monkeypatch.setattr(sources, "BLOCK_CHARS", 1_000)
+    monkeypatch.setattr(data, "ENCODE_CHUNK_CHARS", 300)
+    docs = random_documents([4_000] * 9 + [12_000], seed=8)
+    docs[3] = docs[3] + "\n" + " ".join(["word"] * 1_500) + "\nend"
+    path = write_corpus(tmp_path / "c.txt", docs)
+    assert path.stat().st_size > 20 * sources.BLOCK_CHARS
+    split = split_text(path.read_text(encoding="utf-8"))
+    tok = (build_tokenizer(split, "char", cache_dir=tmp_path) if kind == "char"
+           else BPETokenizer.train(docs, 400, special_tokens=("eos",)))
+    prepared = prepare_lm_data(path, tokenizer=tok, cache_dir=tmp_path / "cache")
+    assert prepared.stats.train.documents == len(split.train_works)
+    for which, tokens in (("train", prepared.train_tokens), ("val", prepared.val_tokens)):
+        in_memory = token_array(split, which, tok, cache_dir=tmp_path / "memory")
+        assert np.array_equal(tokens, in_memory)
+        assert tokens.tolist() == joined_encoding(tok, list(split.documents(which)))
+
+
+def test_a_changed_file_is_prepared_again(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", random_documents([1_000] * 5, seed=9))
+    first = prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    stat = path.stat()
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("king", "KING"), encoding="utf-8")  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    second = prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    assert second.directory != first.directory
+    assert "KING" in second.tokenizer.decode(second.train_tokens)
+
+
+def test_a_cache_entry_is_reused_without_reading_the_data(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "c.txt", random_documents([1_000] * 5, seed=10))
+    first = prepare_lm_data(path, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the data was read again")
+
+    monkeypatch.setattr(data, "_prepare", fail)
+    again = prepare_lm_data(path, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache")
+    assert again.tokenizer.fingerprint == first.tokenizer.fingerprint
+    assert np.array_equal(again.val_tokens, first.val_tokens)
+
+
+def test_an_interrupted_preparation_is_done_again_not_trusted(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "c.txt", random_documents([1_000] * 8, seed=11))
+    reference = prepare_lm_data(path, cache_dir=tmp_path / "reference")
+    writes = []
+    real_write = data._write_tokens
+
+    def write_train_then_stop(target, arrays, dtype):
+        writes.append(target.name)
+        if target.name == "val.bin":
+            next(iter(arrays))
+            raise KeyboardInterrupt  # Ctrl-C while the validation tokens are written
+        return real_write(target, arrays, dtype)
+
+    monkeypatch.setattr(data, "_write_tokens", write_train_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    assert writes == ["train.bin", "val.bin"]
+    (entry,) = (tmp_path / "cache" / "lm").iterdir()
+    assert (entry / "train.bin").is_file() and not (entry / "stats.json").exists()
+    monkeypatch.setattr(data, "_write_tokens", real_write)
+    redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    assert np.array_equal(redone.val_tokens, reference.val_tokens)
+
+    # What a kill -9 after the statistics but with a damaged array would leave: sizes disagree.
+    with open(entry / "train.bin", "r+b") as f:
+        f.truncate(10)
+    redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    assert np.array_equal(redone.train_tokens, reference.train_tokens)
+
+
+def test_prepare_lm_data_validates_its_arguments(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", ["a\nb", "c\nd"])
+    with pytest.raises(ValueError, match="vocab_size must be given for a bpe tokenizer"):
+        prepare_lm_data(path, tokenizer="bpe", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="tokenizer must be one of 'char', 'bpe'"):
+        prepare_lm_data(path, tokenizer="wordpiece", vocab_size=100, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"val_fraction must be in \(0, 1\)"):
+        prepare_lm_data(path, val_fraction=0.0, cache_dir=tmp_path)
+    (tmp_path / "blank.txt").write_text("\n \n\n")
+    with pytest.raises(ValueError, match="holds no non-blank document"):
+        prepare_lm_data(tmp_path / "blank.txt", cache_dir=tmp_path)
+    (tmp_path / "line.txt").write_text("just one line\n")
+    with pytest.raises(ValueError, match="single line"):
+        prepare_lm_data(tmp_path / "line.txt", cache_dir=tmp_path)

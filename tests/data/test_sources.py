@@ -42,8 +42,8 @@ def write_forms(root: Path, docs: list[str]) -> dict[str, str]:
     (root / "corpus.txt.gz").write_bytes(gzip.compress(one_file.encode("utf-8")))
     folder = root / "folder"
     for i, doc in enumerate(docs):
-        # Nested folders and .md files; sorted by relative path: a/0.md, a/1.txt, b/2.txt, ...
-        path = folder / ("a" if i < 2 else "b") / f"{i}.{'md' if i % 2 == 0 else 'txt'}"
+        # Nested folders and .md files; sorted by relative path: a/000.md, a/001.txt, b/002.md, ...
+        path = folder / ("a" if i < 2 else "b") / f"{i:03d}.{'md' if i % 2 == 0 else 'txt'}"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n" + doc + "\n\n", encoding="utf-8")  # blank lines around do not count
     (folder / "a" / "ignored.json").write_text("{}")
@@ -52,7 +52,7 @@ def write_forms(root: Path, docs: list[str]) -> dict[str, str]:
     (root / "corpus.jsonl.gz").write_bytes(gzip.compress(lines.encode("utf-8")))
     (root / "body.jsonl").write_text("".join(json.dumps({"body": doc}) + "\n" for doc in docs))
     return {"file": str(root / "corpus.txt"), "gz": str(root / "corpus.txt.gz"), "folder": str(folder),
-            "glob": str(folder / "**" / "[0-9].*"), "jsonl": str(root / "corpus.jsonl"),
+            "glob": str(folder / "**" / "[0-9]*.*"), "jsonl": str(root / "corpus.jsonl"),
             "jsonl.gz": str(root / "corpus.jsonl.gz")}
 
 
