@@ -79,14 +79,14 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bert, gpt, seq2seq
+    from . import bert, gpt, prepare, seq2seq
 
     parser = argparse.ArgumentParser(
         prog="plainformer",
         description="Train, evaluate and sample Transformers built from first principles.")
     parser.add_argument("--version", action="version", version=f"plainformer {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (gpt, seq2seq, bert):
+    for module in (gpt, seq2seq, bert, prepare):
         module.register(subcommands)
     return parser
 

@@ -331,7 +331,8 @@ def _plan(source: Source, lengths: array, val_fraction: float, progress: bool) -
     where = f"document {boundary.index + 1} of {len(lengths)} ({lengths[boundary.index]:,} characters)"
     if cut is None:
         return _Plan(boundary.index, None, f"{where} goes to validation whole: it holds more than twice "
-                                           "val_fraction of the text but no line break late enough to cut it")
+                                           "val_fraction of the text, but no line break in it leaves "
+                                           "validation at least val_fraction")
     early = boundary.index == 0 and cut > lengths[0] - boundary.need
     return _Plan(boundary.index, cut, f"{where} is cut by lines" + (
         ": its first line is longer than the training share allows, so validation gets the rest" if early else ""))
