@@ -173,12 +173,22 @@ def _pieces_of(documents: Iterable[str]) -> Iterator[Piece]:
     return (Piece(text, True) for text in documents)
 
 
-def _char_tokenizer(texts: Iterable[str]) -> CharTokenizer:
-    """The sorted distinct characters of `texts` and of DOC_SEPARATOR."""
-    chars = set(DOC_SEPARATOR)
-    for text in texts:
-        chars.update(text)
-    return CharTokenizer("".join(sorted(chars)))
+class _CharSet:
+    """The distinct characters of the texts added, as a table of code points (a set of 1-character
+    strings costs ten times more per character)."""
+
+    def __init__(self, texts: Iterable[str] = ()):
+        self.seen = np.zeros(sys.maxunicode + 1, dtype=bool)
+        for text in texts:
+            self.add(text)
+
+    def add(self, text: str) -> None:
+        self.seen[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")] = True
+
+    def tokenizer(self) -> CharTokenizer:
+        """A char tokenizer of the characters seen and those of DOC_SEPARATOR."""
+        self.add(DOC_SEPARATOR)
+        return CharTokenizer("".join(map(chr, np.flatnonzero(self.seen))))
 
 
 # ----------------------------------------------------------------------------- in memory: a TextSplit
@@ -205,7 +215,7 @@ def build_tokenizer(split: TextSplit, kind: str = "char", *, vocab_size: int | N
     if directory.is_dir():
         return load_tokenizer(directory)
     if kind == "char":
-        tokenizer: Tokenizer = _char_tokenizer([*split.documents("train"), *split.documents("val")])
+        tokenizer: Tokenizer = _CharSet([*split.documents("train"), *split.documents("val")]).tokenizer()
     else:
         texts = (text for text, _ in document_chunks(_pieces_of(split.documents("train")), TRAINING_CHUNK_CHARS))
         tokenizer = (BPETokenizer.train(texts, vocab_size, special_tokens=special_tokens) if kind == "bpe"
@@ -295,14 +305,14 @@ def _progress_bar(sources: Sequence[Source], what: str, enabled: bool) -> tqdm:
                 leave=False)
 
 
-def _scan(source: Source, chars: set[str] | None, progress: bool) -> array:
+def _scan(source: Source, chars: _CharSet | None, progress: bool) -> array:
     """Each document's length in characters; adds the characters seen to `chars` unless None."""
     lengths, length = array("q"), 0
     with _progress_bar([source], "scanning", progress) as bar:
         for piece in source.pieces(bar.update):
             length += len(piece.text)
             if chars is not None:
-                chars.update(piece.text)
+                chars.add(piece.text)
             if piece.last:
                 lengths.append(length)
                 length = 0
@@ -445,7 +455,7 @@ def _load_prepared(directory: Path, tokenizer: str | Tokenizer) -> LMData | None
 
 def _prepare(directory: Path, source: Source, val_source: Source | None, tokenizer: str | Tokenizer,
              vocab_size: int | None, val_fraction: float, progress: bool) -> None:
-    chars: set[str] | None = set() if tokenizer == "char" else None
+    chars = _CharSet() if tokenizer == "char" else None
     lengths = _scan(source, chars, progress)
     sources = [source]
     if val_source is None:
@@ -464,7 +474,7 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
     directory.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(directory / "tokenizer", ignore_errors=True)  # from a preparation that did not finish
     if tokenizer == "char":
-        tokenizer = _char_tokenizer(chars)
+        tokenizer = chars.tokenizer()
         _save_tokenizer(tokenizer, directory / "tokenizer")
     elif isinstance(tokenizer, str):
         train_chars = int(sum(lengths[:plan.index])) + (plan.cut or 0)
