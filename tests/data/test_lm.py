@@ -1,10 +1,14 @@
 import hashlib
-import os
 import importlib.resources
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plainformer.data import lm as data
 from plainformer.data.corpus import find_works, load_split, load_text, split_text
@@ -462,3 +466,35 @@ def test_prepare_lm_data_validates_its_arguments(tmp_path):
     (tmp_path / "line.txt").write_text("just one line\n")
     with pytest.raises(ValueError, match="single line"):
         prepare_lm_data(tmp_path / "line.txt", cache_dir=tmp_path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(["ab", "c d", "", "éé", "  x"]), min_size=1, max_size=12)
+                .map("\n".join).filter(str.strip), min_size=1, max_size=6),
+       st.integers(1, 40), st.sampled_from([0.1, 0.3, 0.6]))
+def test_streamed_split_equals_the_in_memory_split_for_any_block_size(docs, block_chars, val_fraction):
+    from plainformer.data import sources
+
+    text = "\n\n\n".join(docs)
+    split = None
+    try:
+        split = split_text(text, val_fraction=val_fraction)
+    except ValueError as err:
+        assert "single line" in str(err)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.txt"
+        path.write_text(text, encoding="utf-8")
+        original = sources.BLOCK_CHARS
+        sources.BLOCK_CHARS = block_chars
+        try:
+            if split is None:
+                with pytest.raises(ValueError, match="single line"):
+                    prepare_lm_data(path, val_fraction=val_fraction, cache_dir=tmp)
+                return
+            prepared = prepare_lm_data(path, val_fraction=val_fraction, cache_dir=tmp)
+        finally:
+            sources.BLOCK_CHARS = original
+        tok = prepared.tokenizer
+        assert tok.decode(prepared.train_tokens) == "\n\n".join(split.documents("train"))
+        assert tok.decode(prepared.val_tokens) == "\n\n".join(split.documents("val"))
+        assert prepared.stats.val.documents == len(split.val_works)

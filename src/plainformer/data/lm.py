@@ -67,7 +67,7 @@ from .tokenizers import (
     load_tokenizer,
 )
 
-ENCODE_GROUP = 8  # chunks encoded at once: parallel for Hugging Face tokenizers, memory stays bounded
+ENCODE_GROUP = 8  # chunks' worth of text encoded at once: parallel for Hugging Face, memory bounded
 
 
 DOC_SEPARATOR = "\n\n"
@@ -149,14 +149,27 @@ def encode_documents(pieces: Iterable[Piece], tokenizer: Tokenizer) -> Iterator[
     """The token ids of the documents `pieces` make up, joined by `separator_ids`, as arrays in order."""
     _checks.check_choice("tokenizer kind", tokenizer.kind, ("char", "bpe"))
     separator = separator_ids(tokenizer)
-    chunks = document_chunks(pieces, ENCODE_CHUNK_CHARS)
     between = False  # a document ended before the next chunk
-    while group := list(itertools.islice(chunks, ENCODE_GROUP)):
+    for group in _groups(document_chunks(pieces, ENCODE_CHUNK_CHARS)):
         for ids, (_, ends) in zip(_encode_texts(tokenizer, [text for text, _ in group]), group):
             if between:
                 yield separator
             yield ids
             between = ends
+
+
+def _groups(chunks: Iterable[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    """Consecutive chunks holding ENCODE_GROUP * ENCODE_CHUNK_CHARS characters together (many short
+    documents share one call)."""
+    group, size = [], 0
+    for chunk in chunks:
+        group.append(chunk)
+        size += len(chunk[0])
+        if size >= ENCODE_GROUP * ENCODE_CHUNK_CHARS:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def _write_tokens(path: Path, arrays: Iterable[np.ndarray], dtype: np.dtype) -> int:
@@ -362,16 +375,18 @@ def _document_texts(pieces: Iterable[Piece], index: int) -> Iterator[str]:
 
 def _route(source: Source, plan: _Plan, progress: Callable[[int], None]) -> Iterator[tuple[str, Piece]]:
     """(split, piece) for each piece of `source` by the plan: all training first, then validation."""
-    index = offset = 0
+    index = offset = 0  # the document a piece belongs to, and where in it the piece starts
     for piece in source.pieces(progress):
-        if index < plan.index or (index == plan.index and plan.cut is not None and offset + len(piece.text) <= plan.cut):
-            yield "train", Piece(piece.text, piece.last or offset + len(piece.text) == plan.cut)
-        elif index > plan.index or plan.cut is None or offset >= plan.cut:
+        end = offset + len(piece.text)
+        cut = plan.cut if index == plan.index else None
+        if index < plan.index or (cut is not None and end <= cut):
+            yield "train", Piece(piece.text, piece.last or end == cut)
+        elif cut is None or offset >= cut:
             yield "val", piece
-        else:
-            yield "train", Piece(piece.text[:plan.cut - offset], True)
-            yield "val", Piece(piece.text[plan.cut - offset:], piece.last)
-        offset = 0 if piece.last else offset + len(piece.text)
+        else:  # the cut falls inside this piece
+            yield "train", Piece(piece.text[:cut - offset], True)
+            yield "val", Piece(piece.text[cut - offset:], piece.last)
+        offset = 0 if piece.last else end
         index += piece.last
 
 
