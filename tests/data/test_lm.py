@@ -498,3 +498,51 @@ def test_streamed_split_equals_the_in_memory_split_for_any_block_size(docs, bloc
         assert tok.decode(prepared.train_tokens) == "\n\n".join(split.documents("train"))
         assert tok.decode(prepared.val_tokens) == "\n\n".join(split.documents("val"))
         assert prepared.stats.val.documents == len(split.val_works)
+
+
+KILLED_CHILD = """
+import sys, time
+from plainformer.data import lm
+real_write = lm._write_tokens
+
+def write_then_hang(path, arrays, dtype):
+    if path.name == "val.bin":
+        def slow():
+            for i, ids in enumerate(arrays):
+                yield ids
+                if i == 1:
+                    print("ready", flush=True)
+                    time.sleep(600)
+        return real_write(path, slow(), dtype)
+    return real_write(path, arrays, dtype)
+
+lm._write_tokens = write_then_hang
+lm.ENCODE_CHUNK_CHARS = 200
+lm.prepare_lm_data(sys.argv[1], cache_dir=sys.argv[2])
+"""
+
+
+def test_a_preparation_killed_midway_is_done_again(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = write_corpus(tmp_path / "c.txt", random_documents([3_000] * 20, seed=12))
+    env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(path), str(tmp_path / "cache")],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "ready"  # midway through the validation tokens
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    (entry,) = (tmp_path / "cache" / "lm").iterdir()
+    leftovers = sorted(p.name for p in entry.iterdir())
+    assert "train.bin" in leftovers and "stats.json" not in leftovers
+    assert any(name.startswith(".val.bin.") and name.endswith(".tmp") for name in leftovers)
+    redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
+    reference = prepare_lm_data(path, cache_dir=tmp_path / "reference")
+    assert redone.directory == entry
+    assert np.array_equal(redone.val_tokens, reference.val_tokens)
+    assert np.array_equal(redone.train_tokens, reference.train_tokens)
+    assert sorted(p.name for p in entry.iterdir()) == ["stats.json", "tokenizer", "train.bin", "val.bin"]

@@ -468,6 +468,19 @@ def _load_prepared(directory: Path, tokenizer: str | Tokenizer) -> LMData | None
     return LMData(tok, *arrays, stats, directory)
 
 
+def _remove_leftovers(directory: Path) -> None:
+    """What a preparation that did not finish left in `directory`: its tokenizer, and the temporary
+    files of `atomic_path` (".NAME.PID.RANDOM.tmp") whose process is gone (a kill -9)."""
+    shutil.rmtree(directory / "tokenizer", ignore_errors=True)
+    for path in directory.glob(".*.tmp"):
+        try:
+            os.kill(int(path.name.split(".")[-3]), 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        except PermissionError:  # a live process of another user
+            pass
+
+
 def _prepare(directory: Path, source: Source, val_source: Source | None, tokenizer: str | Tokenizer,
              vocab_size: int | None, val_fraction: float, progress: bool) -> None:
     chars = _CharSet() if tokenizer == "char" else None
@@ -487,7 +500,7 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
                                (("val", p) for p in val_source.pieces(bar.update)))
 
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(directory / "tokenizer", ignore_errors=True)  # from a preparation that did not finish
+    _remove_leftovers(directory)
     if tokenizer == "char":
         tokenizer = chars.tokenizer()
         _save_tokenizer(tokenizer, directory / "tokenizer")
