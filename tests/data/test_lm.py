@@ -546,3 +546,25 @@ def test_a_preparation_killed_midway_is_done_again(tmp_path):
     assert np.array_equal(redone.val_tokens, reference.val_tokens)
     assert np.array_equal(redone.train_tokens, reference.train_tokens)
     assert sorted(p.name for p in entry.iterdir()) == ["stats.json", "tokenizer", "train.bin", "val.bin"]
+
+
+def test_a_large_training_part_trains_the_tokenizer_on_evenly_spread_windows(monkeypatch):
+    from plainformer.data.sources import Piece
+
+    monkeypatch.setattr(data, "TOKENIZER_SAMPLE_CHARS", 1_000)
+    monkeypatch.setattr(data, "SAMPLE_WINDOW_CHARS", 100)
+    monkeypatch.setattr(data, "TRAINING_CHUNK_CHARS", 10)
+    lines = [f"{i:09d}" for i in range(1_000)]  # 10 characters a line with its newline
+    text = "\n".join(lines)
+    sample = "".join(data._training_sample([Piece(text, True)], len(text)))
+    # stride = ceil(10,000 / 1,000) = 10: windows 0, 10, 20, ... of 100 characters, i.e. lines 0-9, 100-109, ...
+    assert sample.split() == [line for i, line in enumerate(lines) if (i // 10) % 10 == 0]
+    assert len(sample) <= 1_000
+
+
+def test_progress_shows_bytes_and_rate_on_stderr(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt", random_documents([1_000] * 5, seed=13))
+    prepare_lm_data(path, cache_dir=tmp_path / "cache", progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "scanning" in captured.err and "encoding" in captured.err and "B/s" in captured.err
