@@ -27,13 +27,13 @@ import hashlib
 import importlib.resources
 import math
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from .. import _checks
-from .sources import DOCUMENT_BREAK
 from .tokenizers import (
     text_chunks,
 )
@@ -42,6 +42,10 @@ SPLITS = ("train", "val")
 
 
 VAL_FRACTION = 0.1
+
+
+# Two or more blank (empty or spaces-only) lines end a document inside one text file.
+DOCUMENT_BREAK = re.compile(r"\n(?:[ \t]*\n){2,}")
 
 
 ENCODE_CHUNK_CHARS = 1 << 17

@@ -34,6 +34,8 @@ import re
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator
 
+from .corpus import DOCUMENT_BREAK, bundled_works, load_text
+
 BLOCK_CHARS = 1 << 20  # characters decoded per read
 
 
@@ -41,10 +43,6 @@ TEXT_SUFFIXES = (".txt", ".md")
 
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-
-
-# Two or more blank (empty or spaces-only) lines end a document inside one text file.
-DOCUMENT_BREAK = re.compile(r"\n(?:[ \t]*\n){2,}")
 
 
 _NON_SPACE = re.compile(r"\S")
@@ -224,8 +222,6 @@ def _raw_jsonl(file: DataFile, text_field: str, progress: Progress) -> Iterator[
 
 def _raw_bundled(file: DataFile, text_field: str, progress: Progress) -> Iterator[str | None]:
     """The bundled works, cut by the lengths in works.tsv (4.7 MB: read at once)."""
-    from .corpus import bundled_works, load_text
-
     text = load_text()
     progress(file.path.stat().st_size)
     for work in bundled_works(text):
