@@ -342,7 +342,7 @@ def test_val_data_is_the_validation_split(tmp_path):
     tok = prepared.tokenizer
     assert prepared.train_tokens.tolist() == tok.encode("\n\n".join(docs[:4]))
     assert prepared.val_tokens.tolist() == tok.encode("\n\n".join(docs[4:]))
-    assert prepared.stats.note == f"validation is {val_path}"
+    assert prepared.stats.note == f"validation is {val_path}" and prepared.stats.val_fraction is None
     again = prepare_lm_data(train_path, cache_dir=tmp_path / "cache")
     assert len(again.train_tokens) < len(prepared.train_tokens)  # without it, the end of train.txt validates
 

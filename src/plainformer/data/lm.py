@@ -114,7 +114,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def document_chunks(pieces: Iterable[Piece], chunk_chars: int) -> Iterator[tuple[str, bool]]:
     """(text, ends_document) for each document in chunks of about `chunk_chars` characters, cut only
     where tokenization is local (`tokenizers.SAFE_CUT`, else `_SPACE_CUT` in a very long line), so
-    encoding chunk by chunk equals encoding each document whole."""
+    encoding chunk by chunk equals encoding each document whole. Only a run of non-space characters
+    longer than LONG_LINE_CHUNKS chunks is held whole."""
     buffer, scanned = "", 0
     for piece in pieces:
         buffer += piece.text
@@ -278,7 +279,7 @@ class DataStats:
 
     train: SplitStats
     val: SplitStats
-    val_fraction: float
+    val_fraction: float | None  # None: validation is separate data
     note: str | None = None
 
     @property
@@ -289,7 +290,8 @@ class DataStats:
         """The log of the split: one line per split, then the note if any."""
         lines = [f"{which}: {stats.documents:,} documents, {stats.characters:,} characters, "
                  f"{stats.tokens:,} tokens" for which, stats in (("train", self.train), ("val", self.val))]
-        lines[1] += f" ({self.val_share:.1%} of the characters; val_fraction {self.val_fraction:g})"
+        lines[1] += f" ({self.val_share:.1%} of the characters" + (
+            f"; val_fraction {self.val_fraction:g})" if self.val_fraction is not None else ")")
         return lines + ([f"note: {self.note}"] if self.note else [])
 
     def to_dict(self) -> dict:
@@ -518,7 +520,7 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
             counter = _Counter(piece for _, piece in group)
             tokens = _write_tokens(directory / f"{which}.bin", encode_documents(counter, tokenizer), dtype)
             splits[which] = SplitStats(counter.documents, counter.characters, tokens)
-    stats = DataStats(splits["train"], splits["val"], val_fraction, plan.note)
+    stats = DataStats(splits["train"], splits["val"], None if val_source else val_fraction, plan.note)
     with atomic_path(directory / "stats.json") as tmp:
         tmp.write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
 
