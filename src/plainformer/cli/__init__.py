@@ -33,7 +33,7 @@ class UserError(Exception):
     """An error the user can fix; printed as one line, exit status 2."""
 
 
-COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf")
+COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf", "prepare")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:

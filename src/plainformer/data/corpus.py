@@ -1,15 +1,21 @@
-"""Text corpora and their train/validation split by whole works.
+"""Text corpora and their train/validation split by whole documents, true to its size.
 
 The bundled corpus is 38 works of Shakespeare (plays and poems, Project Gutenberg, 4,732,575
-characters), listed with their lengths in `corpus/works.tsv` and separated by two blank lines.
+characters), listed with their lengths in `corpus/works.tsv` and separated by two blank lines. For
+any other text a document ("work") is a block between two or more blank lines, without the blank
+lines before it and the whitespace after it (see `sources` for folders, globs and JSON Lines).
 
-Validation is the last ~10% of works, never random offsets, so that validation text is unseen text
-rather than neighbours of training windows: n_val = max(1, round(0.1 · n_works)), kept below n_works.
+Validation is the end of the corpus, never random offsets, so that validation text is unseen text
+rather than neighbours of training windows. With document lengths c_1..c_n (characters) and
+C = sum c_i, validation takes whole documents from the end until they hold at least
+val_fraction * C characters. Only when that last document taken would carry validation past
+2 * val_fraction * C (or is the first document, which training needs) is it cut instead, at the
+line start that gives validation at least val_fraction * C: validation then holds that document's
+last lines. The split depends on the lengths alone, so it is the same in every run.
+
 For the bundled corpus that is the last 4 of the 38 works in `works.tsv` order — Troilus and Cressida,
-Twelfth Night, Two Gentlemen of Verona and The Winter's Tale (524,941 characters, 11.1%).
-For any other UTF-8 file (`--data PATH`), a work is a block of text between two or more blank lines;
-a file with a single such block is split by lines instead, the last ~10% of its lines (at least one)
-going to validation.
+Twelfth Night, Two Gentlemen of Verona and The Winter's Tale (524,941 characters, 11.1%; the last 3
+hold 7.8%), the split it had when validation was the last 10% of the works by count.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
+import math
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from .. import _checks
 from .tokenizers import (
@@ -35,14 +44,11 @@ SPLITS = ("train", "val")
 VAL_FRACTION = 0.1
 
 
+# Two or more blank (empty or spaces-only) lines end a document inside one text file.
+DOCUMENT_BREAK = re.compile(r"\n(?:[ \t]*\n){2,}")
+
+
 ENCODE_CHUNK_CHARS = 1 << 17
-
-
-# Two or more blank (empty or spaces-only) lines end a work in a user's file.
-_WORK_BREAK = re.compile(r"\n(?:[ \t]*\n){2,}")
-
-
-_NON_SPACE = re.compile(r"\S")
 
 
 _BUNDLED_SEPARATOR = "\n\n\n"
@@ -91,46 +97,84 @@ def bundled_works(text: str) -> list[Work]:
     gaps = [text[a.end:b.start] for a, b in zip(works, works[1:])]
     if works[-1].end != len(text) or any(gap != _BUNDLED_SEPARATOR for gap in gaps):
         raise ValueError("the bundled corpus does not match corpus/works.tsv; the installation is damaged")
-    return works
+    # Each work ends with a newline; like any document it goes without its trailing whitespace.
+    return [Work(w.title, w.start, w.start + len(text[w.start:w.end].rstrip())) for w in works]
 
 
 def find_works(text: str) -> list[Work]:
-    """Blocks of `text` separated by two or more blank lines; each titled by its first non-blank line."""
+    """Blocks of `text` separated by two or more blank lines, each from its first non-blank line to its
+    last non-space character; titled by its first line."""
     works, start = [], 0
-    for brk in [*_WORK_BREAK.finditer(text), None]:
+    for brk in [*DOCUMENT_BREAK.finditer(text), None]:
         end = brk.start() if brk else len(text)
-        first = _NON_SPACE.search(text, start, end)
-        if first:
-            title_end = text.find("\n", first.start(), end)
-            title = text[first.start():end if title_end < 0 else title_end].strip()[:60]
-            works.append(Work(title, start, end))
+        block = text[start:end]
+        body = block.rstrip()
+        first = len(body) - len(body.lstrip())
+        if body:
+            begin = start + block.rfind("\n", 0, first) + 1
+            title = body[first:].partition("\n")[0].strip()[:60]
+            works.append(Work(title, begin, start + len(body)))
         start = brk.end() if brk else end
     return works
 
 
-def _split_lines(work: Work, text: str, val_fraction: float) -> list[Work]:
-    """A single work cut in two by lines, the last ~val_fraction of its lines (at least one) second."""
-    start, end = work.start, work.end
-    n_lines = text.count("\n", start, end) + (not text.endswith("\n", start, end))
-    if n_lines < 2:
-        raise ValueError("the text has a single line: it cannot be split into training and validation "
-                         "parts (separate works by two blank lines, or add lines)")
-    n_val = _n_val(n_lines, val_fraction)
-    cut = end - 1 if text.endswith("\n", start, end) else end
-    for _ in range(n_val):
-        cut = text.rfind("\n", start, cut)
-    cut += 1
-    n_train = n_lines - n_val
-    return [Work(f"lines 1-{n_train}", start, cut), Work(f"lines {n_train + 1}-{n_lines}", cut, end)]
+def check_val_fraction(val_fraction: float) -> float:
+    _checks.check_probability("val_fraction", val_fraction)
+    if val_fraction == 0:
+        raise ValueError("val_fraction must be in (0, 1), got 0")
+    return val_fraction
 
 
-def _n_val(count: int, val_fraction: float) -> int:
-    return min(count - 1, max(1, round(val_fraction * count)))
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """Where validation starts: at document `index`, whole when `need` is None, else only its last
+    lines, enough to give validation `need` more characters (see the module docstring)."""
+
+    index: int
+    need: int | None
+
+
+def val_boundary(lengths: Sequence[int] | np.ndarray, val_fraction: float = VAL_FRACTION) -> Boundary:
+    """The split rule on document lengths c_1..c_n (characters, each > 0)."""
+    check_val_fraction(val_fraction)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        raise ValueError("the text holds no non-blank work to split")
+    target = val_fraction * int(lengths.sum())
+    suffix = np.cumsum(lengths[::-1])  # characters of the last 1, 2, ... documents
+    taken = int(np.searchsorted(suffix, target))  # the last taken + 1 documents reach the target
+    index = len(lengths) - 1 - taken
+    if index == 0 or suffix[taken] > 2 * target:
+        return Boundary(index, math.ceil(target - (int(suffix[taken]) - int(lengths[index]))))
+    return Boundary(index, None)
+
+
+def line_cut(boundary: Boundary, length: int, pieces: Iterable[str]) -> int | None:
+    """Where to cut the boundary document (`length` characters, its text given in pieces): the last
+    line start leaving validation at least `boundary.need` characters; failing that, for the first
+    document, which cannot go whole, the first line start. None: no line start fits, the document
+    goes to validation whole."""
+    limit = length - boundary.need  # cut at or before this offset
+    before = after = None
+    offset = 0
+    for piece in pieces:
+        if limit - offset > 0 and (i := piece.rfind("\n", 0, limit - offset)) >= 0:
+            before = offset + i + 1
+        if (j := piece.find("\n", max(0, limit - offset))) >= 0:
+            after = offset + j + 1
+            break
+        offset += len(piece)
+    if before is None and boundary.index == 0:
+        if after is None:
+            raise ValueError("the text is a single line: it cannot be split into training and validation "
+                             "parts (separate documents by two blank lines, or add lines)")
+        return after
+    return before
 
 
 @dataclasses.dataclass(frozen=True)
 class TextSplit:
-    """A text and its works, the last ones held out for validation."""
+    """A text and its works, the last ones held out for validation (the boundary work possibly cut in two)."""
 
     text: str = dataclasses.field(repr=False)
     train_works: tuple[Work, ...]
@@ -145,6 +189,11 @@ class TextSplit:
         """The split's text in pieces that encode independently (see `tokenizers.text_chunks`)."""
         return text_chunks(self.text, chunk_chars, *self.span(split))
 
+    def documents(self, split: str) -> Iterator[str]:
+        """The text of each work of a split, in order."""
+        works = self.train_works if _checks.check_choice("split", split, SPLITS) == "train" else self.val_works
+        return (self.text[w.start:w.end] for w in works)
+
     @functools.cached_property
     def text_sha256(self) -> str:
         """sha256 of the UTF-8 text, hashed slice by slice so that no second copy is ever whole."""
@@ -155,17 +204,20 @@ class TextSplit:
 
 
 def split_text(text: str, works: Sequence[Work] | None = None, *, val_fraction: float = VAL_FRACTION) -> TextSplit:
-    """Hold out the last works of `text` (found by `find_works` unless given) for validation."""
-    _checks.check_probability("val_fraction", val_fraction)
-    if val_fraction == 0:
-        raise ValueError("val_fraction must be in (0, 1), got 0")
+    """Hold out the last works of `text` (found by `find_works` unless given) for validation, by the
+    rule of the module docstring."""
     works = list(find_works(text) if works is None else works)
-    if not works:
-        raise ValueError("the text holds no non-blank work to split")
-    if len(works) == 1:
-        works = _split_lines(works[0], text, val_fraction)
-    n_train = len(works) - _n_val(len(works), val_fraction)
-    return TextSplit(text, tuple(works[:n_train]), tuple(works[n_train:]))
+    boundary = val_boundary([w.end - w.start for w in works], val_fraction)
+    k = boundary.index
+    work = works[k]
+    cut = None if boundary.need is None else line_cut(boundary, work.end - work.start, [text[work.start:work.end]])
+    if cut is None:
+        return TextSplit(text, tuple(works[:k]), tuple(works[k:]))
+    head_lines = text.count("\n", work.start, work.start + cut)
+    lines = head_lines + 1 + text.count("\n", work.start + cut, work.end)
+    head = Work(f"{work.title} (lines 1-{head_lines})", work.start, work.start + cut)
+    tail = Work(f"{work.title} (lines {head_lines + 1}-{lines})", work.start + cut, work.end)
+    return TextSplit(text, (*works[:k], head), (tail, *works[k + 1:]))
 
 
 def load_split(path: str | os.PathLike | None = None, *, val_fraction: float = VAL_FRACTION) -> TextSplit:

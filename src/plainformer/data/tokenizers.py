@@ -57,7 +57,7 @@ BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[
 # A cut just after a newline that sits between two non-space characters: whitespace runs cannot
 # straddle it, so no pre-tokenizer here (characters, GPT-2's byte-level regex, BERT's whitespace and
 # punctuation split) joins text across it, and encoding chunk by chunk equals encoding the whole.
-_SAFE_CUT = re.compile(r"\S\n(?=\S)")
+SAFE_CUT = re.compile(r"\S\n(?=\S)")
 
 
 def text_chunks(text: str, chunk_chars: int, start: int = 0, end: int | None = None) -> Iterator[str]:
@@ -69,7 +69,7 @@ def text_chunks(text: str, chunk_chars: int, start: int = 0, end: int | None = N
     _checks.check_positive_int("chunk_chars", chunk_chars)
     end = len(text) if end is None else end
     while start < end:
-        found = _SAFE_CUT.search(text, min(start + chunk_chars, end) - 1, end)
+        found = SAFE_CUT.search(text, min(start + chunk_chars, end) - 1, end)
         cut = found.end() if found else end
         yield text[start:cut]
         start = cut
@@ -197,8 +197,11 @@ class CharTokenizer(Tokenizer):
             raise ValueError("text must contain at least one character to build a CharTokenizer from")
         self.chars = sorted(set(text))
         self._index = {c: i for i, c in enumerate(self.chars)}
-        # Sorted characters are sorted code points: encoding is one binary search per character.
-        self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        # Encoding is one table lookup per code point: id, or -1 for a character outside the vocabulary
+        # (the table's last entry stands for every code point beyond the largest known one).
+        codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        self._table = np.full(int(codes[-1]) + 2, -1, dtype=np.int32)
+        self._table[codes] = np.arange(len(codes), dtype=np.int32)
 
     @property
     def vocab_size(self) -> int:
@@ -208,15 +211,18 @@ class CharTokenizer(Tokenizer):
         return self._index.get(token)
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode(text) as an array (N,) int32, without a Python int per character."""
         _check_text("text", text)
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-        ids = np.searchsorted(self._codes, codes)
-        unknown = self._codes[np.minimum(ids, len(self._codes) - 1)] != codes
-        if unknown.any():
-            at = int(np.argmax(unknown))
+        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        if ids.min(initial=0) < 0:
+            at = int(np.argmax(ids < 0))
             raise ValueError(f"character {text[at]!r} (U+{ord(text[at]):04X}) is not in the tokenizer's "
                              f"vocabulary of {self.vocab_size} characters (first at index {at} of the text)")
-        return ids.tolist()
+        return ids
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         return "".join(self.chars[i] for i in _id_list(ids, self.vocab_size))
@@ -255,7 +261,9 @@ class _HFTokenizer(Tokenizer):
         return self._tok.encode(_check_text("text", text)).ids
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch([_check_text("texts item", t) for t in texts])]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which are not needed here.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode([_check_text("texts item", t) for t in texts])]
 
     def decode(self, ids: Sequence[int] | Tensor, *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(_id_list(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
