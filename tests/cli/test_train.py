@@ -54,7 +54,7 @@ def test_the_inverse_sqrt_schedule_follows_the_models_d_model_unless_given():
 def test_config_file_keys_take_dashes_or_underscores_and_yaml_strings_as_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("n-layers: 3\nlr: 1e-3\ndata: some/file.txt\nbias: true\n")
-    assert read_config_file(path) == {"n_layers": 3, "lr": 1e-3, "data": Path("some/file.txt"), "bias": True}
+    assert read_config_file(path) == {"n_layers": 3, "lr": 1e-3, "data": "some/file.txt", "bias": True}
 
 
 def test_the_config_file_names_the_preset_and_the_command_line_wins(tmp_path):

@@ -28,7 +28,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "sentences for an encoder-decoder, the run's for BERT)")
     add_threads_argument(parser)
     gpt = parser.add_argument_group("language models [gpt, bert-mlm]")
-    gpt.add_argument("--data", type=Path, help="UTF-8 text file (default: the run's, else the bundled corpus)")
+    gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
+                                   "bundled corpus)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
     seq2seq = parser.add_argument_group("encoder-decoder [transformer]")
     seq2seq.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: 1)")

@@ -31,8 +31,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def train(run: Run) -> dict[str, Any]:
     """`plainformer train` for a GPT recipe: the data of options["data"] through its tokenizer."""
     options = run.options
+    sources = dict(val_path=options.get("val_data"), text_field=options.get("text_field") or "text",
+                   progress=run.progress, log=log)
     if run.resume:
-        data = prepare_lm_data(options.get("data"), tokenizer=run.checkpoint.load_tokenizer())
+        data = prepare_lm_data(options.get("data"), tokenizer=run.checkpoint.load_tokenizer(), **sources)
         model_config = run.model
     else:
         kind = options.get("tokenizer") or "char"
@@ -40,7 +42,7 @@ def train(run: Run) -> dict[str, Any]:
             raise UserError("--vocab-size sizes a trained tokenizer; the char tokenizer has one token "
                             "per character of the text (add --tokenizer bpe)")
         vocab_size = (options.get("vocab_size") or DEFAULT_BPE_VOCAB) if kind == "bpe" else None
-        data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size)
+        data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size, **sources)
         model_config = run.model.replace(vocab_size=data.tokenizer.vocab_size)
     source = LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
                            seed=run.train.seed)
@@ -116,6 +118,8 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
     """`plainformer eval` of a GPT: mean next-token loss over the whole validation split of --data
     (default: the run's, else the bundled corpus), in consecutive windows of block_size tokens."""
     model = _load_model(checkpoint, args.dtype)
-    data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=model.tokenizer)
+    data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=model.tokenizer,
+                           val_path=None if args.data else recipe.get("val_data"),
+                           text_field=recipe.get("text_field") or "text")
     loss, count = validation_loss(model, data.val_tokens, model.config.block_size, args.batch_size or 16)
     return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": count}

@@ -57,8 +57,13 @@ class Option:
 
 
 OPTIONS: Mapping[str, Option] = {
-    "data": Option(("gpt", "bert-mlm"), dict(type=Path, metavar="FILE",
-                   help="UTF-8 text file (default: the bundled Shakespeare)")),
+    "data": Option(("gpt", "bert-mlm"), dict(metavar="DATA", help=(
+        "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
+        "(default: the bundled Shakespeare)"))),
+    "val_data": Option(("gpt",), dict(metavar="DATA", help=(
+        "held-out validation data, in any form --data takes (default: the end of --data)"))),
+    "text_field": Option(("gpt",), dict(metavar="NAME", help="the text field of JSON Lines records "
+                                                              "(default: text)")),
     "tokenizer": Option(("gpt",), dict(choices=("char", "bpe"), help="char or byte-level bpe")),
     "vocab_size": Option(("gpt", "bert-mlm"), dict(
         type=int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
