@@ -268,18 +268,20 @@ def test_torchrun_command_runs_plainformer_on_n_local_processes():
         torchrun_command(0, [])
 
 
-def test_torchrun_trains_through_the_command_line(tmp_path):
+def test_train_nproc_starts_torchrun_and_only_rank_zero_prints(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "PLAINFORMER_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "plainformer", "train", "--out", str(out), "--max-steps", "2", "--batch-size", "2",
+    command = [sys.executable, "-m", "plainformer", "train", "--nproc", "2",
+               "--out", str(out), "--max-steps", "2", "--batch-size", "2",
                "--block-size", "16", "--n-layers", "1", "--n-heads", "2", "--d-model", "32",
                "--d-ff", "64", "--eval-batches", "1", "--dtype", "float32", "--no-progress",
                "--parallel", "fsdp"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.splitlines()[-1])["step"] == 2
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["step"] == 2  # one JSON line: rank 0's
+    assert result.stderr.count("model: GPT") == 1
     state = load_checkpoint(out / "last").trainer_state
     assert state["world_size"] == 2 and state["data_position"] == 2
 

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from .. import __version__
 from ..config import Config
+from ..training.distributed import is_main_process, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
 
@@ -37,7 +39,10 @@ COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf", "prepare
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
-    """The command's last word: one JSON line, on stdout unless `stream` says otherwise."""
+    """The command's last word: one JSON line, on stdout unless `stream` says otherwise (rank 0 only
+    under torchrun)."""
+    if not is_main_process():
+        return
     stream = stream or sys.stdout
     stream.write(json.dumps(metrics, sort_keys=True) + "\n")
     stream.flush()
@@ -70,8 +75,21 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"{DTYPE_HELP} (default: %(default)s)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A line on stderr, from rank 0 only under torchrun."""
+    if is_main_process():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _option_type(annotation: Any) -> type:
@@ -147,10 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         getattr(args, "help_of", parser).print_help(sys.stderr)
         return 2
+    if getattr(args, "nproc", None) is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return run_torchrun(args.nproc, _without_nproc(argv))
     try:
         metrics = args.run(args)
     except TrainingInterrupted as stop:
@@ -169,6 +190,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     product = getattr(args, "product", False)
     emit_metrics(metrics, sys.stderr if product and not args.json else sys.stdout)
     return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """ARGV less `--nproc N` / `--nproc=N`: what each rank runs under torchrun."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
 
 
 def _is_user_error(error: Exception) -> bool:

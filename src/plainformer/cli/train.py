@@ -32,7 +32,7 @@ from ..models.gpt import GPTConfig
 from ..models.transformer import TransformerConfig
 from ..training.config import TrainConfig
 from ..training.trainer import Trainer
-from . import UserError, add_config_arguments, field_type, log, set_threads
+from . import UserError, add_config_arguments, field_type, log, positive_int, set_threads
 
 RECIPE_FILE = "recipe.yaml"
 
@@ -136,6 +136,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, default_preset: str,
     parser.add_argument("--out", type=Path, help="run directory (default: runs/PRESET)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/last exactly")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--nproc", type=positive_int, metavar="N", help=(
+        "train on N processes of this machine: starts `torchrun --standalone --nproc-per-node N` "
+        "(several machines: run torchrun yourself, see the README)"))
     options = parser.add_argument_group("data and run options (each applies to the families named)")
     for name, option in OPTIONS.items():
         options.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
