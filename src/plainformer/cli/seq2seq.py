@@ -26,6 +26,8 @@ from . import (
     add_product_arguments,
     add_threads_argument,
     log,
+    non_negative_float,
+    positive_int,
     run_and_checkpoint,
     set_threads,
 )
@@ -121,8 +123,8 @@ def _register_translate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("text", nargs="?", metavar="TEXT", help="a sentence (default: read stdin)")
     parser.add_argument("--ckpt", type=Path, required=True,
                         help="run directory (its best/, else last/) or a checkpoint directory")
-    parser.add_argument("--beam", type=int, default=1, help="beam size; 1 = greedy (default: 1)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="α (default: 0.6)")
+    parser.add_argument("--beam", type=positive_int, default=1, help="beam size; 1 = greedy (default: 1)")
+    parser.add_argument("--length-penalty", type=non_negative_float, default=0.6, help="α (default: 0.6)")
     add_threads_argument(parser)
     add_product_arguments(parser)
     parser.set_defaults(run=run_translate)

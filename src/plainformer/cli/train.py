@@ -66,9 +66,9 @@ OPTIONS: Mapping[str, Option] = {
                                                               "(default: text)")),
     "tokenizer": Option(("gpt",), dict(choices=("char", "bpe"), help="char or byte-level bpe")),
     "vocab_size": Option(("gpt", "bert-mlm"), dict(
-        type=int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
+        type=positive_int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
                                       "wordpiece); the model's vocab_size is the tokenizer's")),
-    "seq_len": Option(("bert-mlm", "bert-cls"), dict(type=int, metavar="INT",
+    "seq_len": Option(("bert-mlm", "bert-cls"), dict(type=positive_int, metavar="INT",
                       help="tokens per example (a window of text, a line)")),
     "task": Option(("transformer",), dict(choices=list(TASKS), help="built-in sequence-to-sequence task")),
     "init": Option(("bert-cls",), dict(metavar="MODEL", help=(
@@ -76,7 +76,7 @@ OPTIONS: Mapping[str, Option] = {
         "or run directory (e.g. runs/bert-pretrain)"))),
     "plays": Option(("bert-cls",), dict(nargs="+", metavar="TITLE",
                     help="two or more titles from corpus/works.tsv")),
-    "threads": Option(recipes.FAMILIES, dict(type=int, metavar="INT",
+    "threads": Option(recipes.FAMILIES, dict(type=positive_int, metavar="INT",
                       help="torch.set_num_threads (default: the recipe's, else torch's)")),
 }
 # Options that may change on --resume: how to run, not what.
@@ -214,6 +214,11 @@ def _typed(key: str, value: Any, path: Path) -> Any:
     """A file's value as the flag would parse it: paths from strings, numbers from strings such as
     1e-3 (which YAML reads as a string), choices checked."""
     kind = _flag_type(key)
+    if key in OPTIONS and kind is not None:  # an option's own type checks its range too
+        try:
+            return kind(str(value))
+        except argparse.ArgumentTypeError as error:
+            raise UserError(f"{key} in {path}: {error}") from None
     if isinstance(value, str) and kind in (int, float, Path):
         try:
             value = kind(value)
