@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import _checks
+
 IGNORE_INDEX = -100  # labels that are not scored (F.cross_entropy's default ignore_index)
 
 
@@ -37,6 +39,11 @@ def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch
     predicted in consecutive windows of `block_size` tokens, each starting its context afresh
     (w(t) = the start of t's window). `model(idx)` maps (B, T) token ids to (B, T, V) logits first.
     Returns (loss, tokens scored = N - 1)."""
+    _checks.check_positive_int("block_size", block_size)
+    _checks.check_positive_int("batch_size", batch_size)
+    if len(tokens) < 2:
+        raise ValueError(f"the validation split has {len(tokens)} token(s); next-token loss needs at least 2: "
+                         "give more text (or a larger validation share)")
     n_full = (len(tokens) - 1) // block_size
     full = np.asarray(tokens[:n_full * block_size + 1], dtype=np.int64)
     windows = np.lib.stride_tricks.sliding_window_view(full, block_size + 1)[::block_size]  # (W, T + 1)
