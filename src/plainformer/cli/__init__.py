@@ -28,6 +28,7 @@ import torch
 
 from .. import __version__
 from ..config import Config
+from ..io.checkpoint import find_checkpoint
 from ..training.distributed import is_main_process, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
@@ -151,10 +152,14 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
 
 
 def checkpoint_dir(path: Path) -> Path:
-    """A checkpoint directory, or a run directory holding best/ (preferred) or last/."""
+    """A checkpoint directory, or a run directory holding best/ (preferred) or last/; of each, the
+    copy an interrupted save left when only that is there (as `load_checkpoint` finds it)."""
     for candidate in (path / "best", path / "last"):
-        if candidate.is_dir():
-            return candidate
+        found = find_checkpoint(candidate)
+        if found is not None:
+            if found != candidate:
+                log(f"plainformer: {candidate} is missing; loading {found}, left by a save that was interrupted")
+            return found
     return path
 
 

@@ -420,12 +420,22 @@ def load_model(directory: str | os.PathLike, model_cls: type[nn.Module], config_
     return model.eval()
 
 
-def _locate(directory: Path) -> Path:
+def find_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """Where `load_checkpoint(directory)` reads: `directory`, or, when it is gone, the copy that a save
+    interrupted between its two renames left at `.{name}.old`; None when neither is a directory."""
+    directory = Path(directory)
     old = _old_path(directory)
     if not directory.exists() and old.is_dir():
-        warnings.warn(f"{directory} is missing; loading {old}, left by a save that was interrupted",
+        return old
+    return directory if directory.is_dir() else None
+
+
+def _locate(directory: Path) -> Path:
+    found = find_checkpoint(directory)
+    if found is not None and found != directory:
+        warnings.warn(f"{directory} is missing; loading {found}, left by a save that was interrupted",
                       stacklevel=3)
-        directory = old
+        directory = found
     if not directory.exists():
         raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist")
     if not directory.is_dir():
