@@ -263,6 +263,21 @@ def _corpus_lines(path: Path) -> tuple[list[str], bytes]:
     return lines, raw
 
 
+def _read_cache(path: Path) -> np.ndarray | None:
+    """The float32 matrix cached at `path`; None when there is none or it is unreadable (truncated,
+    garbage, pickled objects: never unpickled), to be computed and written again."""
+    if not path.is_file():
+        return None
+    try:
+        matrix = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, OSError):
+        matrix = None
+    if not isinstance(matrix, np.ndarray) or matrix.dtype != np.float32 or not np.isfinite(matrix).all():
+        log(f"the embeddings cache {path} is unreadable; computing it again")
+        return None
+    return matrix
+
+
 def corpus_embeddings(encoder: SentenceEncoder, model_dir: Path, lines: Sequence[str], raw: bytes,
                       args: argparse.Namespace) -> tuple[np.ndarray, bool]:
     """(N, d) embeddings of the corpus lines, from the cache or computed and cached; and whether
@@ -270,10 +285,9 @@ def corpus_embeddings(encoder: SentenceEncoder, model_dir: Path, lines: Sequence
     key = hashlib.sha256("\0".join([hashlib.sha256(raw).hexdigest(), _model_fingerprint(model_dir),
                                     str(encoder.max_len), args.dtype]).encode()).hexdigest()[:32]
     cache = (args.cache_dir or default_cache_dir() / "embeddings") / f"{key}.npy"
-    if cache.is_file():
-        matrix = np.load(cache, allow_pickle=False)
-        if matrix.shape == (len(lines), encoder.dim):
-            return matrix, True
+    matrix = _read_cache(cache)
+    if matrix is not None and matrix.shape == (len(lines), encoder.dim):
+        return matrix, True
     log(f"embedding {len(lines):,} lines of the corpus (cached for next time in {cache.parent})")
     matrix = encoder.encode(list(lines), args.batch_size, dtype=DTYPES[args.dtype]).cpu().numpy()
     _save_npy(cache, matrix)
