@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
+from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..models.transformer import Transformer
 from ..training.evaluation import score_translations
 from . import (
@@ -93,9 +93,21 @@ def _run_task(run_dir: Path, recipe: dict[str, Any]) -> str:
         return recipe["task"]
     legacy = run_dir / LEGACY_TASK_FILE
     if legacy.is_file():
-        return json.loads(legacy.read_text())["task"]
+        return _read_legacy_task(legacy)
     raise UserError(f"{run_dir} has no recipe.yaml naming the task: pass --task to say which task's "
                     "split to score")
+
+
+def _read_legacy_task(path: Path) -> str:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON: {error}") from None
+    task = values.get("task") if isinstance(values, dict) else None
+    if not isinstance(task, str) or task not in TASKS:
+        raise UserError(f"{path} must hold an object whose 'task' is one of {', '.join(TASKS)}, got "
+                        f"{json.dumps(values)[:80]}")
+    return task
 
 
 def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]

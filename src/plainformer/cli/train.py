@@ -375,8 +375,8 @@ def run_train(args: argparse.Namespace, default_preset: str,
 def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None
         ) -> dict[str, Any]:
     """Train `model` as `run` says, once the data and the model are ready: the recipe is written
-    to OUT/recipe.yaml first, so that a run that stops early can still be repeated."""
+    to OUT/recipe.yaml first, so that a run that stops early can still be repeated, and only once the
+    run directory is locked, so that a run refused by the lock leaves the owner's recipe alone."""
     trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer, resume=run.resume,
                       progress=run.progress)
-    log(f"recipe {run.preset} ({run.family}) -> {write_recipe(run)}")
-    return trainer.fit()
+    return trainer.fit(on_locked=lambda: log(f"recipe {run.preset} ({run.family}) -> {write_recipe(run)}"))

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -267,13 +267,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------- the loop
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, on_locked: Callable[[], Any] | None = None) -> dict[str, Any]:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
         dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
         and stopped_by.
         Raises TrainingInterrupted after Ctrl-C, with `last/` saved. The run directory is locked
-        meanwhile: a second run on it raises RunDirectoryBusy."""
+        meanwhile: a second run on it raises RunDirectoryBusy. `on_locked` (rank 0 only) runs once the
+        lock is held, before training: to write files of the run that a refused run must not touch."""
         with self._group, run_lock(self.out_dir) if self.dist.is_main else contextlib.nullcontext():
+            if on_locked is not None and self.dist.is_main:
+                on_locked()
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
