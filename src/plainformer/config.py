@@ -2,14 +2,19 @@
 
 Every config in plainformer (models, training) derives from `Config`: a dataclass whose fields are
 checked in `validate()` as soon as it is built, that round-trips through JSON, and that offers named
-presets through `from_preset(name, **overrides)`. Field names are shared across the project
+presets through `from_preset(name, **overrides)`. Before `validate()`, every field is checked against
+its annotation (bool, int, float, str, or None where the annotation allows it; floats finite), so
+that a value read from a file with the wrong type is refused naming the field. Field names are shared across the project
 (`n_layers`, `n_heads`, `n_kv_heads`, `d_model`, `d_ff`) and the CLI maps onto them one to one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import typing
 from typing import Any, ClassVar, Mapping, TypeVar
 
 C = TypeVar("C", bound="Config")
@@ -22,6 +27,8 @@ class Config:
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self) -> None:
+        for name, (kind, optional) in _scalar_fields(type(self)).items():
+            check_field_type(name, getattr(self, name), kind, optional)
         self.validate()
 
     def validate(self) -> None:
@@ -60,3 +67,33 @@ class Config:
     @classmethod
     def from_json(cls: type[C], text: str) -> C:
         return cls.from_dict(json.loads(text))
+
+
+# What a value of each scalar field type must be; bool is no int and no float here.
+_EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a str"}
+
+
+@functools.cache
+def _scalar_fields(cls: type[Config]) -> dict[str, tuple[type, bool]]:
+    """Field name -> (scalar type, whether None is allowed), for the fields annotated with one of
+    `_EXPECTED`'s types (alone or `| None`)."""
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for field in dataclasses.fields(cls):
+        kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
+        scalar = [k for k in kinds if k is not type(None)]
+        if len(scalar) == 1 and scalar[0] in _EXPECTED:
+            fields[field.name] = (scalar[0], type(None) in kinds)
+    return fields
+
+
+def check_field_type(name: str, value: Any, kind: type, optional: bool = False) -> None:
+    """TypeError/ValueError unless `value` is a `kind` (bool, int, float, str; a float finite)."""
+    if value is None and optional:
+        return
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        raise TypeError(f"{name} must be {_EXPECTED[kind]}{' or None' if optional else ''}, "
+                        f"got {type(value).__name__} {value!r}"[:200])
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")

@@ -23,6 +23,7 @@ from ..io.checkpoint import load_checkpoint, load_model
 from ..io.hf_bert import MINILM_NAME, resolve_bert_path
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
 from ..models.sentence import SentenceEncoder, load_bert
+from ..training.config import TrainConfig
 from ..training.evaluation import accuracy, mean_loss
 from . import (
     UserError,
@@ -136,10 +137,11 @@ def finetune(run: Run) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- eval
 
-def _saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int]:
-    """(batch size, seed) of the evaluation: --batch-size, else the run's evaluation batch size."""
-    train = checkpoint.train_config
-    return args.batch_size or train.get("eval_batch_size") or train["batch_size"], train["seed"]
+def _saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int, int]:
+    """(batch size, seed, validation batches) of the evaluation: --batch-size, else the run's
+    evaluation batch size."""
+    train = checkpoint.config(TrainConfig, "train")
+    return args.batch_size or train.eval_batch_size or train.batch_size, train.seed, train.eval_batches
 
 
 def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
@@ -148,10 +150,9 @@ def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, reci
     validation batches (the same masks as during training)."""
     saved = load_checkpoint(checkpoint, verify=False)
     model = load_model(checkpoint, BertForMaskedLM, BertConfig)
-    batch_size, seed = _saved_batching(args, saved)
+    batch_size, seed, n_batches = _saved_batching(args, saved)
     source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
                          model.config, seed)
-    n_batches = saved.train_config["eval_batches"]
     return {"val_mlm_loss": mean_loss(model, source, n_batches, batch_size),
             "val_masked_accuracy": accuracy(model, source, n_batches, batch_size), "batches": n_batches}
 
@@ -165,7 +166,7 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
         raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
     model = load_model(checkpoint, BertForSequenceClassification, BertConfig)
     task = play_lines_task(recipe["plays"])
-    batch_size, seed = _saved_batching(args, saved)
+    batch_size, seed, _ = _saved_batching(args, saved)
     source = ClassificationBatchSource(task, model.tokenizer, recipe.get("seq_len", 64), seed=seed)
     return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
             "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from .. import recipes
-from ..config import Config
+from ..config import Config, check_field_type
 from ..data.seq2seq import TASKS
 from ..io.atomic import atomic_path
 from ..io.checkpoint import Checkpoint, load_checkpoint
@@ -212,7 +212,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def _typed(key: str, value: Any, path: Path) -> Any:
     """A file's value as the flag would parse it: paths from strings, numbers from strings such as
-    1e-3 (which YAML reads as a string), choices checked."""
+    1e-3 (which YAML reads as a string), each of the flag's type, choices checked."""
     kind = _flag_type(key)
     if key in OPTIONS and kind is not None:  # an option's own type checks its range too
         try:
@@ -224,10 +224,29 @@ def _typed(key: str, value: Any, path: Path) -> Any:
             value = kind(value)
         except ValueError:
             raise UserError(f"{key} in {path} must be {kind.__name__}, got {value!r}") from None
+    try:
+        _check_type(f"{key} in {path}", key, value, kind)
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
     choices = OPTIONS[key].flag.get("choices") if key in OPTIONS else None
     if choices is not None and value not in choices:
         raise UserError(f"{key} in {path} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _check_type(name: str, key: str, value: Any, kind: type | None) -> None:
+    """`value` is what flag `key` parses to: a list of str for --plays, a path, a config field's
+    scalar, else a str; `name` says where it comes from in the message."""
+    if key in OPTIONS and OPTIONS[key].flag.get("nargs") == "+":
+        if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+            raise TypeError(f"{name} must be a list of str, got {value!r}")
+    elif kind is Path:
+        if not isinstance(value, Path):
+            raise TypeError(f"{name} must be a path (a str), got {value!r}")
+    elif kind in (bool, int, float):
+        check_field_type(name, value, kind)
+    elif not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r}")
 
 
 def _flag_type(key: str) -> type | None:
@@ -346,7 +365,7 @@ def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Re
     if checkpoint.family != recipe.family:
         raise UserError(f"{out} holds a {checkpoint.family} run, not one of preset {preset!r} "
                         f"({recipe.family})")
-    model = MODEL_CONFIGS[recipe.family].from_dict(checkpoint.model_config)
+    model = checkpoint.config(MODEL_CONFIGS[recipe.family])
     refuse_changes("model", model.to_dict(), model_given)
     options = {**recipe.options, **{k: v for k, v in saved.items() if k in OPTIONS}}
     refuse_changes("run's data", options,

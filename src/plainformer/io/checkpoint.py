@@ -35,7 +35,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..config import Config
 from .atomic import reporting_full_disk
 
 FORMAT_VERSION = 1
@@ -63,6 +64,9 @@ _TMP_INFIX = ".tmp-"  # DIR's temporary sibling: .{DIR name}.tmp-{pid}-{random}
 _ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
 # Param-group flags that choose how this optimizer runs here, not what it learned: kept, not loaded.
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+C = TypeVar("C", bound=Config)
 
 
 class CheckpointError(ValueError):
@@ -286,6 +290,15 @@ class Checkpoint:
     def has_tokenizer(self) -> bool:
         return (self.path / "tokenizer.json").exists()
 
+    def config(self, config_cls: type[C], part: str = "model") -> C:
+        """The saved "model" (or "train") config as a `config_cls`, checked by it; a CheckpointError
+        naming config.json and the field when the file's values do not fit."""
+        values = self.model_config if part == "model" else self.train_config
+        try:
+            return config_cls.from_dict(values)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.path / CONFIG}: '{part}' does not fit {config_cls.__name__}: {e}") from None
+
     def restore_model(self, model: nn.Module, *, prefix: str = "") -> nn.Module:
         """Load the weights into `model`, checked by `model_state_dict`."""
         try:
@@ -413,7 +426,7 @@ def load_model(directory: str | os.PathLike, model_cls: type[nn.Module], config_
     if checkpoint.family != model_cls.family:
         raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
                               f"not a {model_cls.__name__} ({model_cls.family!r})")
-    model = model_cls(config_cls.from_dict(checkpoint.model_config))
+    model = model_cls(checkpoint.config(config_cls))
     checkpoint.restore_model(model)
     model.to(map_location)
     model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None

@@ -63,7 +63,7 @@ def _load_checkpoint_bert(directory: Path, backend: str) -> tuple[BertModel, Wor
     if checkpoint.family not in BERT_FAMILIES:
         raise ValueError(f"{directory} holds a {checkpoint.family!r} model; expected one of "
                          f"{', '.join(BERT_FAMILIES)}")
-    config = BertConfig.from_dict(checkpoint.model_config).replace(backend=backend)
+    config = checkpoint.config(BertConfig).replace(backend=backend)
     model = checkpoint.restore_model(BertModel(config), prefix="" if checkpoint.family == "bert" else "bert.")
     tokenizer = checkpoint.load_tokenizer()
     if not isinstance(tokenizer, WordPieceTokenizer):
