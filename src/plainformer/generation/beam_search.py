@@ -37,8 +37,7 @@ def beam_search(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *, 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _checks.check_positive_int("beam_size", beam_size)
-    if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
-        raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
+    _checks.check_non_negative_number("length_penalty", length_penalty)
     if idx.shape[1] + max_new_tokens - 1 > model.block_size:
         raise ValueError(f"beam search does not slide its context: {idx.shape[1]} prompt tokens + "
                          f"max_new_tokens={max_new_tokens} - 1 exceed block_size={model.block_size}")

@@ -219,6 +219,7 @@ class Transformer(nn.Module):
         By default row b stops after (its source length + 50) tokens (at most max_len).
         """
         _checks.check_positive_int("beam_size", beam_size)
+        _checks.check_non_negative_number("length_penalty", length_penalty)  # greedy too: one rule
         was_training = self.training
         self.eval()
         try:
