@@ -1,13 +1,15 @@
-"""Hostile input end to end (issue 14): crafted checkpoints and Hugging Face directories through the
-command line, a full disk, kill -9 at spread-out moments, non-finite numbers at the Python API.
+"""Hostile input end to end (issue 14): crafted checkpoints, run files and Hugging Face directories
+through the command line, a full disk, kill -9 at spread-out moments, out-of-range and non-finite
+numbers at every numeric command-line option and at the Python API.
 
-Every hostile file must end in one line `plainformer: error: ...` naming the file and the field, exit
-status 2, no traceback and no signal.
+Every hostile file or value must end in one line `plainformer: error: ...` naming the file and the
+field (or the option), exit status 2, no traceback and no signal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -24,6 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -128,7 +131,7 @@ def _manifest_entry(directory: Path, name: str, entry) -> None:
     _json(directory, "manifest.json", lambda m: {**m, "files": {**m["files"], name: entry}}, rewrite=False)
 
 
-RESUME, SAMPLE = "resume", "sample"
+RESUME, SAMPLE, EVAL = "resume", "sample", "eval"
 CHECKPOINT_CASES = {
     "optimizer tensor of the wrong shape (SIGSEGV in fused AdamW)": (
         RESUME, lambda r: _tensors(r / "last", "optimizer.safetensors", _wrong_shape),
@@ -167,6 +170,17 @@ CHECKPOINT_CASES = {
         r"config\.json: 'format_version' has the wrong type \(str\)"),
     "manifest as a list": (
         SAMPLE, lambda r: (r / "best" / "manifest.json").write_text("[]"), r"manifest\.json has no 'files' table"),
+    "a model field of the wrong type in config.json": (
+        SAMPLE, lambda r: _json(r / "best", "config.json", lambda c: {**c, "model": {**c["model"], "n_layers": "1"}}),
+        r"best/config\.json: 'model' does not fit GPTConfig: n_layers must be an int, got str '1'$"),
+    "a non-finite model field in config.json": (
+        EVAL, lambda r: _json(r / "best", "config.json", lambda c: {**c, "model": {**c["model"], "dropout": 1e999}}),
+        r"best/config\.json: 'model' does not fit GPTConfig: dropout must be a finite number, got inf$"),
+    "a recipe.yaml value of the wrong type": (
+        EVAL, lambda r: (r / "recipe.yaml").write_text("data: 5\n"), r"data in .*recipe\.yaml must be a str, got 5$"),
+    "a recipe.yaml model field of the wrong type": (
+        RESUME, lambda r: (r / "recipe.yaml").write_text("n_layers: [1]\n"),
+        r"n_layers in .*recipe\.yaml must be an int, got list \[1\]$"),
 }
 
 
@@ -178,6 +192,8 @@ def test_a_hostile_checkpoint_gives_one_error_line(case, capsys, tmp_path, train
     damage(run)
     if command == RESUME:
         argv = ["train", "--data", corpus, "--out", run, "--resume", "--max-steps", "4", *TINY_GPT]
+    elif command == EVAL:
+        argv = ["eval", "--ckpt", run]
     else:
         argv = ["sample", "--ckpt", run, "--max-new-tokens", "2"]
     assert_one_error_line(*run_cli(capsys, *argv), message)
@@ -408,6 +424,219 @@ def test_kill_9_at_spread_out_moments_loses_nothing(tmp_path):
     assert not list(out.glob(".*.tmp-*")) and not (out / ".last.old").exists()
     with run_lock(out):  # free again
         pass
+
+
+# ----------------------------------------------------------------------------- numbers at the command line
+
+NUMERIC_OPTIONS = {
+    "eval --batch-size -2 (evaluated 11 tokens of 4,827)": (["eval", "--batch-size", "-2"], "--batch-size", "-2"),
+    "eval --batch-size 0 (range() arg 3 must not be zero)": (["eval", "--batch-size", "0"], "--batch-size", "0"),
+    "eval --beam 0": (["eval", "--beam", "0"], "--beam", "0"),
+    "eval --length-penalty nan": (["eval", "--length-penalty", "nan"], "--length-penalty", "nan"),
+    "eval --threads 0": (["eval", "--threads", "0"], "--threads", "0"),
+    "sample --temperature nan (crashed in torch.multinomial)": (["sample", "--temperature", "nan"], "--temperature", "nan"),
+    "sample --temperature inf": (["sample", "--temperature", "inf"], "--temperature", "inf"),
+    "sample --temperature -1": (["sample", "--temperature", "-1"], "--temperature", "-1"),
+    "sample --top-k 0": (["sample", "--top-k", "0"], "--top-k", "0"),
+    "sample --top-p 1.5": (["sample", "--top-p", "1.5"], "--top-p", "1.5"),
+    "sample --top-p 0": (["sample", "--top-p", "0"], "--top-p", "0"),
+    "sample --max-new-tokens -1": (["sample", "--max-new-tokens", "-1"], "--max-new-tokens", "-1"),
+    "sample --seed -1": (["sample", "--seed", "-1"], "--seed", "-1"),
+    "sample --seed 2**64 (overflows torch's generator)": (["sample", "--seed", str(2**64)], "--seed", str(2**64)),
+    "translate --beam 0": (["translate", "--beam", "0", "hi"], "--beam", "0"),
+    "translate greedy --length-penalty -1 (refused for beam > 1 only)": (
+        ["translate", "--length-penalty", "-1", "hi"], "--length-penalty", "-1"),
+    "translate --threads 0": (["translate", "--threads", "0", "hi"], "--threads", "0"),
+    "attention --layer -1": (["attention", "--layer", "-1", "--out", "a.png"], "--layer", "-1"),
+    "attention --head x": (["attention", "--head", "x", "--out", "a.png"], "--head", "x"),
+}
+OPTIONS_WITHOUT_CKPT = {
+    "search --k 0": (["search", "--k", "0", "--corpus", "c.txt", "q"], "--k", "0"),
+    "embed --batch-size 0": (["embed", "--batch-size", "0", "hi"], "--batch-size", "0"),
+    "prepare --val-fraction 1": (["prepare", "--val-fraction", "1"], "--val-fraction", "1"),
+    "prepare --val-fraction nan": (["prepare", "--val-fraction", "nan"], "--val-fraction", "nan"),
+    "prepare --bpe-vocab-size 0": (["prepare", "--bpe-vocab-size", "0"], "--bpe-vocab-size", "0"),
+    "train --threads 0": (["train", "--threads", "0"], "--threads", "0"),
+    "train --vocab-size -5": (["train", "--vocab-size", "-5"], "--vocab-size", "-5"),
+    "train --seq-len 0": (["train", "--preset", "bert-pretrain", "--seq-len", "0"], "--seq-len", "0"),
+    "train --nproc 0": (["train", "--nproc", "0"], "--nproc", "0"),
+}
+
+
+@pytest.mark.parametrize("case", [*NUMERIC_OPTIONS, *OPTIONS_WITHOUT_CKPT])
+def test_an_out_of_range_or_non_finite_option_gives_one_error_line(case, capsys, tmp_path):
+    if case in NUMERIC_OPTIONS:
+        argv, option, value = NUMERIC_OPTIONS[case]
+        argv = [*argv, "--ckpt", tmp_path / "no-run"]  # refused before any file is read
+    else:
+        argv, option, value = OPTIONS_WITHOUT_CKPT[case]
+    code, stderr = run_cli(capsys, *argv)
+    line = assert_one_error_line(code, stderr, rf"^plainformer: error: argument {option}: expected .*, "
+                                               rf"got '{re.escape(value)}' \(see `plainformer {argv[0]} --help`\)$")
+    assert "usage:" not in stderr, line
+
+
+def test_an_argparse_mistake_is_one_error_line_too(capsys):
+    assert_one_error_line(*run_cli(capsys, "eval"), r"the following arguments are required: --ckpt")
+    assert_one_error_line(*run_cli(capsys, "sample", "--ckpt", "x", "--tempreature", "1"),
+                          r"unrecognized arguments: --tempreature 1")
+
+
+def _float_flags() -> list[tuple[str, str]]:
+    """(flag, a preset whose configs have it) for every float field that `train` takes as a flag."""
+    from plainformer.cli.train import MODEL_CONFIGS, recipe_keys
+    from plainformer.config import Config
+    from plainformer.training.config import TrainConfig
+
+    presets = {"gpt": "default", "bert-mlm": "bert-pretrain", "transformer": "seq2seq-copy"}
+    flags = {}
+    for family, config_cls in [*MODEL_CONFIGS.items(), ("gpt", TrainConfig)]:
+        for field in dataclasses.fields(config_cls):
+            if field.name in recipe_keys() and "float" in str(field.type) and field.name not in flags:
+                flags[field.name] = presets.get(family, "default")
+    assert {"lr", "dropout", "rope_base", "label_smoothing", "max_time"} <= set(flags)
+    return sorted(flags.items())
+
+
+@pytest.mark.parametrize("field, preset", _float_flags())
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_config_flag_is_refused_before_training(field, preset, value, capsys, tmp_path, cache):
+    flag = "--" + field.replace("_", "-")
+    code, stderr = run_cli(capsys, "train", "--preset", preset, flag, value, "--out", tmp_path / "run",
+                           "--max-steps", "1")  # should it train after all: briefly
+    assert_one_error_line(code, stderr, rf"^plainformer: error: {field} must be a finite number, got {value}$")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(n_layers="2"), r"n_layers must be an int, got str '2'"),
+    (dict(n_layers=2.0), r"n_layers must be an int, got float 2\.0"),
+    (dict(bias=1), r"bias must be a bool, got int 1"),
+    (dict(rope_base="1e4"), r"rope_base must be a number, got str"),
+    (dict(rope_base=math.inf), r"rope_base must be a finite number, got inf"),
+    (dict(n_kv_heads="1"), r"n_kv_heads must be an int or None, got str"),
+])
+def test_a_config_field_of_the_wrong_type_is_named_with_the_type_expected(values, message):
+    """Before the field-by-field checks: no `'>' not supported between instances of 'str' and 'int'`."""
+    base = dict(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32)
+    with pytest.raises((TypeError, ValueError), match=message):
+        pf.GPTConfig.from_dict({**base, **values})
+
+
+# ----------------------------------------------------------------------------- run files at the command line
+
+ONE_TOKEN_VALIDATION = "To be, or not to be, that is the question.\nT"  # validation: the last line, "T"
+
+
+def test_a_one_token_validation_split_is_one_error_line(capsys, tmp_path, trained_run, cache):
+    data = tmp_path / "tiny.txt"
+    data.write_text(ONE_TOKEN_VALIDATION)
+    assert_one_error_line(*run_cli(capsys, "eval", "--ckpt", trained_run, "--data", data),
+                          r"the validation split has 1 token\(s\); next-token loss needs at least 2")
+    assert_one_error_line(*run_cli(capsys, "train", "--data", data, "--out", tmp_path / "run", *TINY_GPT),
+                          r"the val split has 1 tokens but block_size=8 needs at least 9")
+
+
+def test_a_run_holding_only_the_copy_an_interrupted_save_left_is_found(capsys, tmp_path, trained_run, cache):
+    """A save killed between its two renames leaves RUN/.last.old and no RUN/last (io/checkpoint.py)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.rmtree(run / "best")
+    (run / "last").rename(run / ".last.old")
+    code = main(["eval", "--ckpt", str(run)])
+    out, err = capsys.readouterr()
+    assert code == 0 and f"loading {run / '.last.old'}, left by a save that was interrupted" in err, err
+    assert main(["eval", "--ckpt", str(trained_run / "last")]) == 0
+    assert json.loads(out) == json.loads(capsys.readouterr().out)
+    assert run_cli(capsys, "sample", "--ckpt", run, "--max-new-tokens", "2")[0] == 0
+
+
+def _transformer_run(directory: Path) -> Path:
+    """A run directory whose best/ holds an untrained tiny encoder-decoder, and no recipe.yaml."""
+    torch.manual_seed(0)
+    model = pf.Transformer(pf.TransformerConfig(src_vocab_size=11, tgt_vocab_size=11, n_layers=1, n_heads=2,
+                                                d_model=8, d_ff=16, max_len=16))
+    checkpoint.save_checkpoint(directory / "best", model=model, family="transformer",
+                               model_config=model.config.to_dict())
+    return directory
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{oops", r"task\.json is not valid JSON: Expecting property name"),
+    ('"copy"', r"task\.json must hold an object whose 'task' is one of copy, reverse, numbers-en-fr, got \"copy\"$"),
+    ('{"task": ["copy"]}', r"task\.json must hold an object whose 'task' is one of .*, got \{\"task\": \[\"copy\"\]\}$"),
+    ('{"name": "copy"}', r"task\.json must hold an object whose 'task' is one of"),
+])
+def test_an_invalid_task_json_is_one_error_line_naming_it(text, message, capsys, tmp_path):
+    run = _transformer_run(tmp_path / "run")
+    (run / "task.json").write_text(text)
+    line = assert_one_error_line(*run_cli(capsys, "eval", "--ckpt", run), message)
+    assert str(run / "task.json") in line
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_refused_by_the_lock_leaves_the_owners_recipe_alone(resume, capsys, tmp_path, trained_run, corpus,
+                                                                   cache):
+    run = tmp_path / "run"
+    if resume:
+        shutil.copytree(trained_run, run)
+    recipe = (run / "recipe.yaml").read_bytes() if resume else None
+    argv = ["train", "--data", corpus, "--out", run, "--max-steps", "5", *TINY_GPT, *(["--resume"] * resume)]
+    with run_lock(run):
+        assert_one_error_line(*run_cli(capsys, *argv), rf"{run} is in use by another run \(pid {os.getpid()}\)")
+    if resume:
+        assert (run / "recipe.yaml").read_bytes() == recipe
+    else:
+        assert not (run / "recipe.yaml").exists()
+    code, _ = run_cli(capsys, *argv)  # and the lock's owner does write it
+    assert code == 0 and "max_steps: 5" in (run / "recipe.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------- the search embeddings cache
+
+def _cached_object_array(path: Path) -> None:
+    np.save(path, np.array([Payload(path.parent / "PWNED")], dtype=object), allow_pickle=True)
+
+
+SEARCH_CACHES = {
+    "garbage": lambda path: path.write_bytes(b"\x10" * 64),
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[:-9]),
+    "empty": lambda path: path.write_bytes(b""),
+    "a pickled object array": _cached_object_array,
+    "float64": lambda path: np.save(path, np.load(path).astype(np.float64)),
+    "NaN": lambda path: np.save(path, np.full_like(np.load(path), np.nan)),
+}
+
+
+@pytest.mark.parametrize("case", list(SEARCH_CACHES))
+def test_a_corrupt_search_cache_is_computed_again(case, capsys, tmp_path, hf_bert_dir):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Good night, sweet prince.\nThe rest is silence.\nTo be, or not to be.\n")
+    argv = ["search", "--corpus", corpus, "--model", hf_bert_dir, "--cache-dir", tmp_path / "cache", "--json",
+            "silence"]
+
+    def search() -> dict:
+        assert main([str(a) for a in argv]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])
+
+    first = search()
+    [cache] = (tmp_path / "cache").iterdir()
+    SEARCH_CACHES[case](cache)
+    again = search()
+    assert again["results"] == first["results"] and not again["cached"]
+    assert not (tmp_path / "cache" / "PWNED").exists()
+    assert np.load(cache, allow_pickle=False).dtype == np.float32  # written again, whole
+    assert search()["cached"]
+
+
+# ----------------------------------------------------------------------------- command groups
+
+@pytest.mark.parametrize("group, own, top_level", [("bert", "pretrain", "embed"), ("seq2seq", "eval", "translate")])
+def test_a_command_group_without_a_command_prints_its_own_help(group, own, top_level, capsys):
+    code = main([group])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.startswith(f"usage: plainformer {group} ")
+    assert own in err and top_level not in err  # its own commands, not the top level's
 
 
 # ----------------------------------------------------------------------------- numbers at the API

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from plainformer import recipes
-from plainformer.cli import build_parser
+from plainformer.cli import UserError, build_parser
 from plainformer.cli.train import read_config_file, resolve
 
 
@@ -63,3 +63,21 @@ def test_the_config_file_names_the_preset_and_the_command_line_wins(tmp_path):
     run = _resolve("--config", str(path), "--max-steps", "9")
     assert run.preset == "nanogpt-cpu" and run.train.max_steps == 9 and run.train.lr == 0.01
     assert _resolve("--config", str(path), "--preset", "default").preset == "default"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("plays: Macbeth", r"plays in .*c\.yaml must be a list of str, got 'Macbeth'"),
+    ("data: 5", r"data in .*c\.yaml must be a str, got 5"),
+    ("preset: [gpt2]", r"preset in .*c\.yaml must be a str, got \['gpt2'\]"),
+    ("out: {a: 1}", r"out in .*c\.yaml must be a path \(a str\), got \{'a': 1\}"),
+    ("n_layers: 2.5", r"n_layers in .*c\.yaml must be an int, got float 2\.5"),
+    ("bias: 3", r"bias in .*c\.yaml must be a bool, got int 3"),
+    ("lr: .nan", r"lr in .*c\.yaml must be a finite number, got nan"),
+    ("threads: 0", r"threads in .*c\.yaml: expected a positive integer, got '0'"),
+    ("seq_len: [3]", r"seq_len in .*c\.yaml: expected a positive integer, got '\[3\]'"),
+])
+def test_a_config_file_value_of_the_wrong_type_names_the_file_and_the_key(tmp_path, line, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(UserError, match=message):
+        read_config_file(path)
