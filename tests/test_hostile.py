@@ -447,8 +447,6 @@ NUMERIC_OPTIONS = {
     "translate greedy --length-penalty -1 (refused for beam > 1 only)": (
         ["translate", "--length-penalty", "-1", "hi"], "--length-penalty", "-1"),
     "translate --threads 0": (["translate", "--threads", "0", "hi"], "--threads", "0"),
-    "attention --layer -1": (["attention", "--layer", "-1", "--out", "a.png"], "--layer", "-1"),
-    "attention --head x": (["attention", "--head", "x", "--out", "a.png"], "--head", "x"),
 }
 OPTIONS_WITHOUT_CKPT = {
     "search --k 0": (["search", "--k", "0", "--corpus", "c.txt", "q"], "--k", "0"),

@@ -22,7 +22,7 @@ from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..models.gpt import GPT, GPTConfig
 from ..models.transformer import Transformer, TransformerConfig
-from . import UserError, checkpoint_dir, non_negative_int
+from . import UserError, checkpoint_dir
 
 FAMILIES = {
     "gpt": (GPT, GPTConfig),
@@ -92,8 +92,8 @@ def _register_attention(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--source", help="encoder-decoder: the source sentence")
     parser.add_argument("--target", help="encoder-decoder: the target sentence (after BOS)")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
-    parser.add_argument("--layer", type=non_negative_int, help="one layer only (default: all)")
-    parser.add_argument("--head", type=non_negative_int, help="one head only (default: all)")
+    parser.add_argument("--layer", type=int, help="one layer only (default: all)")
+    parser.add_argument("--head", type=int, help="one head only (default: all)")
     parser.set_defaults(run=run_attention)
 
 
