@@ -4,8 +4,9 @@ Every config in plainformer (models, training) derives from `Config`: a dataclas
 checked in `validate()` as soon as it is built, that round-trips through JSON, and that offers named
 presets through `from_preset(name, **overrides)`. Before `validate()`, every field is checked against
 its annotation (bool, int, float, str, or None where the annotation allows it; floats finite), so
-that a value read from a file with the wrong type is refused naming the field. Field names are shared across the project
-(`n_layers`, `n_heads`, `n_kv_heads`, `d_model`, `d_ff`) and the CLI maps onto them one to one.
+that a value of the wrong type, read from a file say, is refused naming the field. Field names are
+shared across the project (`n_layers`, `n_heads`, `n_kv_heads`, `d_model`, `d_ff`) and the CLI maps
+onto them one to one.
 """
 
 from __future__ import annotations
