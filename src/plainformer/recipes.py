@@ -61,7 +61,7 @@ _RECIPES = [
     _gpt("default", "GPT, 3.2M parameters, character-level Shakespeare in about 5 minutes on 2 cores "
                     "(README, 'Choosing the default')",
          max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
-         weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=20, dtype="bfloat16"),
+         weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=20),
     _gpt("nanogpt-cpu", "nanoGPT's CPU recipe for Shakespeare characters (its README, "
                         "'I only have a macbook')",
          max_steps=2000, batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
@@ -74,7 +74,7 @@ _RECIPES = [
         _gpt("gpt2", "GPT-2 small (124M) with nanoGPT's config/train_gpt2.py; use --tokenizer bpe",
              max_steps=600_000, batch_size=12, grad_accum_steps=40, lr=6e-4, min_lr=6e-5,
              warmup_steps=2000, beta2=0.95, weight_decay=0.1, grad_clip=1.0, eval_interval=1000,
-             eval_batches=200, save_interval=1000, dtype="bfloat16"),
+             eval_batches=200, save_interval=1000),
         options={"tokenizer": "bpe", "vocab_size": 50257}),
     Recipe("bert-pretrain", "bert-mlm", BertConfig.from_preset("tiny"),
            TrainConfig(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
