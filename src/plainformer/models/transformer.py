@@ -35,6 +35,7 @@ from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.feedforward import ACTIVATIONS
+from ..nn.modes import eval_mode
 
 EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
 
@@ -170,7 +171,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, m) -> (memory (B, m, d_model), source padding mask (B, m), True = real token)."""
-        _checks.check_token_ids("src", src, self.config.src_vocab_size)
+        _checks.check_token_id_tensor("src", src)
         mask = src != self.config.pad_id
         return self.encoder(src, key_padding_mask=mask), mask
 
@@ -217,11 +218,11 @@ class Transformer(nn.Module):
 
         beam_size 1 is greedy decoding; otherwise beam search with length penalty α = length_penalty.
         By default row b stops after (its source length + 50) tokens (at most max_len).
+        The source ids are checked once here; the decoding steps check nothing that needs a sync.
         """
         _checks.check_positive_int("beam_size", beam_size)
-        was_training = self.training
-        self.eval()
-        try:
+        _checks.check_token_ids("src", src, self.config.src_vocab_size)
+        with eval_mode(self):
             limits = (src != self.config.pad_id).sum(dim=1) + EXTRA_OUTPUT_TOKENS  # (B,)
             steps = min(int(limits.max()), self.config.max_len) if max_new_tokens is None else max_new_tokens
             # The last token is predicted from `steps` positions: caches that long, no longer.
@@ -233,8 +234,6 @@ class Transformer(nn.Module):
             else:
                 tokens, _ = beam_search(bound, bos, steps, beam_size=beam_size, length_penalty=length_penalty,
                                         eos_id=self.config.eos_id, use_cache=use_cache)
-        finally:
-            self.train(was_training)
         if max_new_tokens is None:
             position = torch.arange(tokens.shape[1], device=tokens.device)  # BOS is position 0
             tokens = tokens.masked_fill(position > limits.unsqueeze(1), self.config.eos_id)

@@ -19,6 +19,9 @@ Pre-LN (norm_first=True) computes y = y + Dropout(Sublayer(LN(y))) for each of t
 ends with a LayerNorm. Decoding one position at a time keeps two caches per layer: the self-attention
 keys/values of the positions decoded so far, and the cross-attention keys/values of the memory, which
 are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at every step.
+
+The stacks check their inputs once, build one `AttentionMask` per attention kind for the batch and
+hand it to every layer; a layer called on its own checks and combines the masks it is given.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .. import _checks
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
 from .kv_cache import KVCache
+from .masks import AttentionMask, check_masks
 from .normalization import make_norm
 from .positional import SinusoidalPositionalEncoding
 
@@ -41,7 +45,50 @@ if TYPE_CHECKING:
     from .rope import RotaryEmbedding
 
 
-class EncoderLayer(nn.Module):
+class _ResidualLayer(nn.Module):
+    """What the encoder and decoder layers share: self-attention (and, in the decoder, cross-attention)
+    and a feed-forward sublayer, one norm and one dropout per sublayer, and the residual wiring.
+
+    Submodules: `self_attn` (and `cross_attn`), `ff`, `norm1` .. `norm{k}`, `dropout1` .. `dropout{k}`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, cross_attention: bool, dropout: float,
+                 activation: str, norm_first: bool, n_kv_heads: int | None, norm: str, norm_eps: float,
+                 bias: bool, attention_dropout: float | None, backend: str):
+        super().__init__()
+        _checks.check_probability("dropout", dropout)
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        self.norm_first = norm_first
+
+        def attention() -> MultiHeadAttention:
+            return MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
+                                      dropout=attention_dropout, backend=backend)
+
+        self.self_attn = attention()
+        if cross_attention:
+            self.cross_attn = attention()
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        sublayers = 3 if cross_attention else 2
+        for i in range(1, sublayers + 1):
+            self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias))
+        for i in range(1, sublayers + 1):
+            self.add_module(f"dropout{i}", nn.Dropout(dropout))
+
+    def check_states(self, name: str, x: Tensor) -> None:
+        """x is a floating (B, n, d_model) tensor: checked when a layer is called on its own."""
+        _checks.check_tensor(name, x, ndim=3, shape_doc="(B, n, d_model)")
+        _checks.check_floating(name, x)
+        _checks.check_last_dim(name, x, self.self_attn.d_model, "d_model")
+
+    def residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
+                 dropout: nn.Module) -> Tensor:
+        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)))
+        return norm(x + dropout(sublayer(x)))
+
+
+class EncoderLayer(_ResidualLayer):
     """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
 
     Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
@@ -51,31 +98,31 @@ class EncoderLayer(nn.Module):
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
                  attention_dropout: float | None = None, backend: str = "auto"):
-        super().__init__()
-        _checks.check_probability("dropout", dropout)
-        attention_dropout = dropout if attention_dropout is None else attention_dropout
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
-                                            dropout=attention_dropout, backend=backend)
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
-        self.norm1 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
-        self.norm2 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        super().__init__(d_model, n_heads, d_ff, cross_attention=False, dropout=dropout,
+                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
+                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
-                is_causal: bool = False, rope: RotaryEmbedding | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
-        """x: (B, n, d_model) -> (B, n, d_model). Masks as in `MultiHeadAttention.forward`."""
+    def forward(self, x: Tensor, mask: Tensor | AttentionMask | None = None, *,
+                key_padding_mask: Tensor | None = None, is_causal: bool = False,
+                rope: RotaryEmbedding | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        """x: (B, n, d_model) -> (B, n, d_model).
+
+        mask: the batch's `AttentionMask` (what the stacks pass; nothing is checked then), or the
+        masks of `MultiHeadAttention.forward` given as mask, key_padding_mask and is_causal.
+        kv_cache: decode incrementally, x holding the positions after the cached ones.
+        """
+        if not isinstance(mask, AttentionMask):
+            self.check_states("x", x)
+            mask = self.self_attn.mask_for(x, x, x, mask, key_padding_mask=key_padding_mask,
+                                           is_causal=is_causal, rope=rope, kv_cache=kv_cache)
+
         def attend(h: Tensor) -> Tensor:
-            return self.dropout1(self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask,
-                                                is_causal=is_causal, rope=rope, kv_cache=kv_cache))
+            if kv_cache is None:
+                return self.self_attn.attend(h, h, h, mask, rope=rope)
+            return self.self_attn.attend_cached(h, h, h, mask, kv_cache, rope=rope)
 
-        if self.norm_first:
-            x = x + attend(self.norm1(x))
-            return x + self.dropout2(self.ff(self.norm2(x)))
-        x = self.norm1(x + attend(x))
-        return self.norm2(x + self.dropout2(self.ff(x)))
+        x = self.residual(x, attend, self.norm1, self.dropout1)
+        return self.residual(x, self.ff, self.norm2, self.dropout2)
 
 
 class TokenStack(nn.Module):
@@ -134,13 +181,17 @@ class Encoder(TokenStack):
 
     def forward(self, src: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         """src (B, n) -> memory (B, n, d_model). key_padding_mask defaults to `src != pad_id`."""
-        _checks.check_token_ids("src", src, self.vocab_size)
-        _checks.check_max_len("src", src.shape[1], self.max_len)
+        _checks.check_token_id_tensor("src", src)
+        batch, n = src.shape
+        _checks.check_max_len("src", n, self.max_len)
         if key_padding_mask is None:
             key_padding_mask = self.padding_mask(src)
-        x = self.embed(src)
+        else:
+            _checks.check_key_padding_mask("key_padding_mask", key_padding_mask, batch, n, src.device)
+        mask = AttentionMask.build(n, n, key_padding_mask=key_padding_mask, device=src.device)
+        x = _checks.lookup_token_ids("src", src, self.vocab_size, self.embed)
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask)
+            x = layer(x, mask)
         return self.norm(x)
 
 
@@ -167,7 +218,7 @@ class DecoderCache:
             self.sources = self.sources[batch_indices]
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_ResidualLayer):
     """Masked self-attention, cross-attention over the memory, feed-forward; each wrapped in dropout,
     a residual connection and a norm.
 
@@ -178,48 +229,49 @@ class DecoderLayer(nn.Module):
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
                  attention_dropout: float | None = None, backend: str = "auto"):
-        super().__init__()
-        _checks.check_probability("dropout", dropout)
-        attention_dropout = dropout if attention_dropout is None else attention_dropout
-        self.norm_first = norm_first
-        self.self_attn, self.cross_attn = (
-            MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
-                               dropout=attention_dropout, backend=backend) for _ in range(2))
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
-        self.norm1, self.norm2, self.norm3 = (make_norm(norm, d_model, eps=norm_eps, bias=bias)
-                                              for _ in range(3))
-        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
+        super().__init__(d_model, n_heads, d_ff, cross_attention=True, dropout=dropout,
+                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
+                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend)
 
-    def _residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
-                  dropout: nn.Module) -> Tensor:
-        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
-        if self.norm_first:
-            return x + dropout(sublayer(norm(x)))
-        return norm(x + dropout(sublayer(x)))
-
-    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, *,
-                memory_mask: Tensor | None = None, is_causal: bool = False,
+    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | AttentionMask | None = None, *,
+                memory_mask: Tensor | AttentionMask | None = None, is_causal: bool = False,
                 tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None, self_kv_cache: KVCache | None = None,
                 cross_kv_cache: KVCache | None = None) -> Tensor:
         """x (B, n, d_model) target positions, memory (B, m, d_model) -> (B, n, d_model).
 
         tgt_mask (n, n) / memory_mask (n, m) and the key-padding masks (B, n) / (B, m) are boolean,
-        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`.
-        is_causal: position i sees target positions <= i. self_kv_cache holds the positions decoded
-        so far; cross_kv_cache (static) the memory's keys and values, see `memory_kv_cache`.
+        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`;
+        or tgt_mask and memory_mask are the batch's `AttentionMask`s (what `Decoder` passes; nothing
+        is checked then). is_causal: position i sees target positions <= i. self_kv_cache holds the
+        positions decoded so far; cross_kv_cache (static) the memory's keys and values, see
+        `memory_kv_cache`.
         """
+        if not isinstance(tgt_mask, AttentionMask):
+            self.check_states("x", x)
+            tgt_mask = self.self_attn.mask_for(x, x, x, tgt_mask, key_padding_mask=tgt_key_padding_mask,
+                                               is_causal=is_causal, kv_cache=self_kv_cache)
+        if not isinstance(memory_mask, AttentionMask):
+            self.check_states("memory", memory)
+            memory_mask = self.cross_attn.mask_for(x, memory, memory, memory_mask,
+                                                   key_padding_mask=memory_key_padding_mask,
+                                                   kv_cache=cross_kv_cache)
+            if cross_kv_cache is not None and cross_kv_cache.length == 0:
+                cross_kv_cache.append(*self.cross_attn.project_kv(memory, memory))
+
         def self_attend(h: Tensor) -> Tensor:
-            return self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask,
-                                  is_causal=is_causal, kv_cache=self_kv_cache)
+            if self_kv_cache is None:
+                return self.self_attn.attend(h, h, h, tgt_mask)
+            return self.self_attn.attend_cached(h, h, h, tgt_mask, self_kv_cache)
 
         def cross_attend(h: Tensor) -> Tensor:
-            return self.cross_attn(h, memory, memory, memory_mask,
-                                   key_padding_mask=memory_key_padding_mask, kv_cache=cross_kv_cache)
+            if cross_kv_cache is None:
+                return self.cross_attn.attend(h, memory, memory, memory_mask)
+            return self.cross_attn.attend_memory(h, cross_kv_cache, memory_mask)
 
-        x = self._residual(x, self_attend, self.norm1, self.dropout1)
-        x = self._residual(x, cross_attend, self.norm2, self.dropout2)
-        return self._residual(x, self.ff, self.norm3, self.dropout3)
+        x = self.residual(x, self_attend, self.norm1, self.dropout1)
+        x = self.residual(x, cross_attend, self.norm2, self.dropout2)
+        return self.residual(x, self.ff, self.norm3, self.dropout3)
 
     def memory_kv_cache(self, memory: Tensor, *, repeats: int = 1) -> KVCache:
         """A static cache holding memory W^K and memory W^V, (B·repeats, h_kv, m, d_k) each.
@@ -266,20 +318,42 @@ class Decoder(TokenStack):
         kv_caches (one per layer, see `new_kv_caches`): decode incrementally; tgt then holds only
         the positions after the cached ones.
         """
-        _checks.check_token_ids("tgt", tgt, self.vocab_size)
+        self_mask, memory_mask = self._masks(tgt, memory, tgt_key_padding_mask, memory_key_padding_mask,
+                                             kv_caches)
+        offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
+        x = _checks.lookup_token_ids("tgt", tgt, self.vocab_size, lambda ids: self.embed(ids, offset))
+        for i, layer in enumerate(self.layers):
+            cache = None if kv_caches is None else kv_caches[i]
+            x = layer(x, memory, self_mask, memory_mask=memory_mask,
+                      self_kv_cache=None if cache is None else cache.self_attn,
+                      cross_kv_cache=None if cache is None else cache.cross_attn)
+        return self.norm(x)
+
+    def _masks(self, tgt: Tensor, memory: Tensor, tgt_key_padding_mask: Tensor | None,
+               memory_key_padding_mask: Tensor | None,
+               kv_caches: list[DecoderCache] | None) -> tuple[AttentionMask, AttentionMask]:
+        """Validate `forward`'s inputs (shapes only) and build the self- and cross-attention masks."""
+        _checks.check_token_id_tensor("tgt", tgt)
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches must hold one DecoderCache per layer ({len(self.layers)}), "
                              f"got {len(kv_caches)}")
         offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
-        _checks.check_max_len("tgt (cached positions included)", offset + tgt.shape[1], self.max_len)
-        x = self.embed(tgt, offset)
-        for i, layer in enumerate(self.layers):
-            cache = None if kv_caches is None else kv_caches[i]
-            x = layer(x, memory, is_causal=True, tgt_key_padding_mask=tgt_key_padding_mask,
-                      memory_key_padding_mask=memory_key_padding_mask,
-                      self_kv_cache=None if cache is None else cache.self_attn,
-                      cross_kv_cache=None if cache is None else cache.cross_attn)
-        return self.norm(x)
+        (batch, n), m = tgt.shape, offset + tgt.shape[1]
+        _checks.check_max_len("tgt (cached positions included)", m, self.max_len)
+        _checks.check_tensor("memory (the keys and values of cross-attention)", memory, ndim=3,
+                             shape_doc="(B, m, d_model)")
+        _checks.check_floating("memory", memory)
+        _checks.check_last_dim("memory", memory, self.d_model, "d_model")
+        if memory.shape[0] != batch:
+            raise ValueError(f"memory must have the batch size of tgt ({batch}), got {tuple(memory.shape)}")
+        heads = self.layers[0].self_attn.n_heads
+        check_masks(batch, heads, n, m, tgt.device, key_padding_mask=tgt_key_padding_mask,
+                    key_padding_name="tgt_key_padding_mask")
+        check_masks(batch, heads, n, memory.shape[1], tgt.device, key_padding_mask=memory_key_padding_mask,
+                    key_padding_name="memory_key_padding_mask")
+        self_mask = AttentionMask.build(n, m, is_causal=True, cached=offset,
+                                        key_padding_mask=tgt_key_padding_mask, device=tgt.device)
+        return self_mask, AttentionMask.build(n, memory.shape[1], key_padding_mask=memory_key_padding_mask)
 
     def new_kv_caches(self, memory: Tensor, max_len: int | None = None, *,
                       repeats: int = 1) -> list[DecoderCache]:
