@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import _checks
 from .linear import Linear
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
-from .masks import causal_mask  # noqa: F401  (re-exported: pf.causal_mask)
+from .masks import causal_mask as causal_mask  # re-exported: it was defined here
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -242,7 +242,7 @@ def _key_padding_from_mask(mask: Tensor, q: Tensor, k: Tensor) -> Tensor | None:
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O with head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
-    The h per-head projections are stored together as one `nn.Linear` each: `W_q` (d_model -> h·d_k),
+    The h per-head projections are stored together as one `Linear` (a torch.nn.Linear) each: `W_q` (d_model -> h·d_k),
     `W_k` and `W_v` (d_model -> h_kv·d_k), `W_o` (h·d_k -> d_model), with d_k = d_model / h.
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
 
