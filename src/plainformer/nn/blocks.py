@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -127,12 +127,15 @@ class EncoderLayer(_ResidualLayer):
 
 class TokenStack(nn.Module):
     """What the encoder and decoder stacks share: token embedding · √d_model + sinusoidal PE and
-    dropout in front of N layers made by `make_layer`, then a final LayerNorm when they are pre-LN.
+    dropout in front of N layers of `layer_type`, then a final LayerNorm when they are pre-LN.
     The embedding of `pad_id` is kept at zero."""
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, max_len: int,
-                 make_layer: Callable[[], nn.Module], *, pad_id: int | None, dropout: float,
-                 norm_first: bool, norm_eps: float):
+    layer_type: ClassVar[type[_ResidualLayer]]
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
         super().__init__()
         _checks.check_positive_int("vocab_size", vocab_size)
         _checks.check_positive_int("d_model", d_model)
@@ -144,7 +147,10 @@ class TokenStack(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(make_layer() for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                            norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
+            for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
 
     @property
@@ -163,17 +169,7 @@ class Encoder(TokenStack):
     src: (B, n) token ids -> (B, n, d_model). Tokens equal to `pad_id` are never attended to.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
-                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
-        def make_layer() -> EncoderLayer:
-            return EncoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
-                                backend=backend)
-
-        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
-                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+    layer_type = EncoderLayer
 
     def padding_mask(self, src: Tensor) -> Tensor | None:
         """(B, n) boolean, True = real token; None without a pad_id."""
@@ -295,17 +291,7 @@ class Decoder(TokenStack):
     the vocabulary belongs to the model. The embedding of `pad_id` is kept at zero.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
-                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
-        def make_layer() -> DecoderLayer:
-            return DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
-                                backend=backend)
-
-        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
-                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+    layer_type = DecoderLayer
 
     def forward(self, tgt: Tensor, memory: Tensor, *, tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None,
