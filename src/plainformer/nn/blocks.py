@@ -330,6 +330,7 @@ class Decoder(TokenStack):
                              shape_doc="(B, m, d_model)")
         _checks.check_floating("memory", memory)
         _checks.check_last_dim("memory", memory, self.d_model, "d_model")
+        _checks.check_same_device(tgt=tgt, memory=memory)
         if memory.shape[0] != batch:
             raise ValueError(f"memory must have the batch size of tgt ({batch}), got {tuple(memory.shape)}")
         heads = self.layers[0].self_attn.n_heads
