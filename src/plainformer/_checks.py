@@ -147,14 +147,14 @@ def lookup_token_ids(name: str, idx: Tensor, vocab_size: int, lookup: Callable[[
 
 def check_key_padding_mask(name: str, mask: object, batch: int, m: int, device: torch.device) -> Tensor:
     """A boolean (B, m) mask, True = real token, on `device`."""
-    check_tensor(name, mask, ndim=2, shape_doc="(B, m)")
-    if mask.dtype != torch.bool:  # type: ignore[union-attr]
-        raise TypeError(f"{name} must be boolean (True = real token), got dtype {mask.dtype}")  # type: ignore[union-attr]
-    if tuple(mask.shape) != (batch, m):  # type: ignore[union-attr]
-        raise ValueError(f"{name} must have shape (B, m) = {(batch, m)}, got {tuple(mask.shape)}")  # type: ignore[union-attr]
-    if mask.device != device:  # type: ignore[union-attr]
-        raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")  # type: ignore[union-attr]
-    return mask  # type: ignore[return-value]
+    mask = check_tensor(name, mask, ndim=2, shape_doc="(B, m)")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be boolean (True = real token), got dtype {mask.dtype}")
+    if tuple(mask.shape) != (batch, m):
+        raise ValueError(f"{name} must have shape (B, m) = {(batch, m)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")
+    return mask
 
 
 def check_index(name: str, value: object, size: int, size_name: str) -> int:
