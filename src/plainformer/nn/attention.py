@@ -246,10 +246,11 @@ class MultiHeadAttention(nn.Module):
     `W_k` and `W_v` (d_model -> h_kv·d_k), `W_o` (h·d_k -> d_model), with d_k = d_model / h.
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
 
-    `forward` is the checked public entry. The layers call the three paths directly, with an
-    `AttentionMask` built once per batch and no checks: `attend` (self-attention, or cross-attention
-    over a memory projected on the spot), `attend_cached` (decoding: new positions join a growing
-    KV cache) and `attend_memory` (cross-attention over a memory projected once, a static cache).
+    `forward` checks its arguments and combines the masks, unless it is handed the batch's
+    `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
+    cross-attention over a memory projected on the spot), `attend_cached` (decoding: new positions
+    join a growing KV cache) or `attend_memory` (cross-attention over a memory projected once, a
+    static cache).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
@@ -280,7 +281,7 @@ class MultiHeadAttention(nn.Module):
         """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each."""
         return self.split_heads(self.W_k(key), self.n_kv_heads), self.split_heads(self.W_v(value), self.n_kv_heads)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
                 need_weights: bool = False, rope: RotaryEmbedding | None = None,
                 kv_cache: KVCache | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -288,6 +289,8 @@ class MultiHeadAttention(nn.Module):
 
         mask: boolean (True = may attend) or additive float, of shape (n, m), (B, n, m) or
         broadcastable to (B, h, n, m). key_padding_mask: (B, m) boolean, True = real token.
+        Or mask is the batch's `AttentionMask` (what the layers pass): then nothing is checked, and
+        key_padding_mask and is_causal are left out, being in it already.
         need_weights: also return the per-head weights (B, h, n, m) (the math path is used).
         rope: rotary embedding applied to queries and keys at their absolute positions.
         kv_cache: keys/values of earlier positions (self-attention decoding) or of a fixed memory
@@ -295,15 +298,16 @@ class MultiHeadAttention(nn.Module):
         `KVCache`. With a cache holding P positions, query i sits at position P + i and sees every
         key up to it when is_causal.
         """
-        masks = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
-                              is_causal=is_causal, rope=rope, kv_cache=kv_cache)
+        if not isinstance(mask, AttentionMask):
+            mask = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, rope=rope, kv_cache=kv_cache)
         if kv_cache is None:
-            return self.attend(query, key, value, masks, rope=rope, need_weights=need_weights)
+            return self.attend(query, key, value, mask, rope=rope, need_weights=need_weights)
         if kv_cache.static:
             if kv_cache.length == 0:
                 kv_cache.append(*self.project_kv(key, value))
-            return self.attend_memory(query, kv_cache, masks, need_weights=need_weights)
-        return self.attend_cached(query, key, value, masks, kv_cache, rope=rope, need_weights=need_weights)
+            return self.attend_memory(query, kv_cache, mask, need_weights=need_weights)
+        return self.attend_cached(query, key, value, mask, kv_cache, rope=rope, need_weights=need_weights)
 
     def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
                  key_padding_mask: Tensor | None = None, is_causal: bool = False,

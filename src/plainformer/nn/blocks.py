@@ -21,7 +21,8 @@ keys/values of the positions decoded so far, and the cross-attention keys/values
 are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at every step.
 
 The stacks check their inputs once, build one `AttentionMask` per attention kind for the batch and
-hand it to every layer; a layer called on its own checks and combines the masks it is given.
+hand it to every layer, which hands it to its attention modules; a layer or an attention module
+called with plain masks checks and combines them itself.
 """
 
 from __future__ import annotations
@@ -117,9 +118,7 @@ class EncoderLayer(_ResidualLayer):
                                            is_causal=is_causal, rope=rope, kv_cache=kv_cache)
 
         def attend(h: Tensor) -> Tensor:
-            if kv_cache is None:
-                return self.self_attn.attend(h, h, h, mask, rope=rope)
-            return self.self_attn.attend_cached(h, h, h, mask, kv_cache, rope=rope)
+            return self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache)
 
         x = self.residual(x, attend, self.norm1, self.dropout1)
         return self.residual(x, self.ff, self.norm2, self.dropout2)
@@ -252,18 +251,12 @@ class DecoderLayer(_ResidualLayer):
             memory_mask = self.cross_attn.mask_for(x, memory, memory, memory_mask,
                                                    key_padding_mask=memory_key_padding_mask,
                                                    kv_cache=cross_kv_cache)
-            if cross_kv_cache is not None and cross_kv_cache.length == 0:
-                cross_kv_cache.append(*self.cross_attn.project_kv(memory, memory))
 
         def self_attend(h: Tensor) -> Tensor:
-            if self_kv_cache is None:
-                return self.self_attn.attend(h, h, h, tgt_mask)
-            return self.self_attn.attend_cached(h, h, h, tgt_mask, self_kv_cache)
+            return self.self_attn(h, h, h, tgt_mask, kv_cache=self_kv_cache)
 
         def cross_attend(h: Tensor) -> Tensor:
-            if cross_kv_cache is None:
-                return self.cross_attn.attend(h, memory, memory, memory_mask)
-            return self.cross_attn.attend_memory(h, cross_kv_cache, memory_mask)
+            return self.cross_attn(h, memory, memory, memory_mask, kv_cache=cross_kv_cache)
 
         x = self.residual(x, self_attend, self.norm1, self.dropout1)
         x = self.residual(x, cross_attend, self.norm2, self.dropout2)
