@@ -18,9 +18,11 @@ from ..nn.linear import linear
 class _LanguageModel(Protocol):
     """What `GPTDecoder` reads from a GPT."""
 
-    block_size: int
     lm_head: torch.nn.Linear
     norm: torch.nn.Module
+
+    @property
+    def block_size(self) -> int: ...
 
     def hidden_states(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> Tensor: ...
 

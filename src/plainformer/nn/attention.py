@@ -154,7 +154,9 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dr
         raise ValueError(f"backend='flash' takes only key-padding masks (boolean, broadcastable "
                          f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
                          f"{mask.attn_mask.dtype}")
-    return flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale)
+    out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale)
+    assert isinstance(out, Tensor)  # return_lse=False: the output alone
+    return out
 
 
 def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dropout_p: float) -> str:
@@ -315,9 +317,11 @@ class MultiHeadAttention(nn.Module):
         """Validate `forward`'s arguments (shapes, dtypes, devices: nothing is read from a tensor)
         and combine the masks into the `AttentionMask` the three paths take."""
         self._check_inputs(query, key, value, rope, kv_cache)
-        memory = kv_cache is not None and kv_cache.static
-        cached = 0 if kv_cache is None or memory else kv_cache.length
-        m = kv_cache.length if memory and kv_cache.length else cached + key.shape[1]
+        cached, m = 0, key.shape[1]  # m: the keys attended, cached ones included
+        if kv_cache is not None and kv_cache.static:
+            m = kv_cache.length or m  # a filled memory cache is used as it is
+        elif kv_cache is not None:
+            cached, m = kv_cache.length, kv_cache.length + m
         batch, n = query.shape[:2]
         attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
                                 key_padding_mask=key_padding_mask)

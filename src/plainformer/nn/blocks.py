@@ -129,7 +129,7 @@ class TokenStack(nn.Module):
     dropout in front of N layers of `layer_type`, then a final LayerNorm when they are pre-LN.
     The embedding of `pad_id` is kept at zero."""
 
-    layer_type: ClassVar[type[_ResidualLayer]]
+    layer_type: ClassVar[Callable[..., nn.Module]]  # EncoderLayer or DecoderLayer
 
     def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
                  max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
