@@ -196,21 +196,31 @@ class DecoderCache:
 
     sources (B,), when given, names the source of each row: rows with the same source hold the same
     memory keys/values (the beams of one sentence), so a reorder that keeps every row's source
-    leaves the memory cache as it is instead of copying it.
+    leaves the memory cache as it is instead of copying it. rows_per_source r: rows b·r .. b·r+r-1
+    hold source b (0 once a reorder has mixed them).
     """
 
     self_attn: KVCache
     cross_attn: KVCache
     sources: Tensor | None = None
+    rows_per_source: int = 0
 
-    def reorder(self, batch_indices: Tensor) -> None:
-        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around)."""
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around).
+
+        group_size g: the caller promises that each index stays in its block of g rows (beam search:
+        the beams of one sentence). When those blocks lie within one source's rows, the memory cache
+        is kept without reading the indices, which would cost a host sync per layer and step.
+        """
         self.self_attn.reorder(batch_indices)
+        if group_size is not None and self.rows_per_source and self.rows_per_source % group_size == 0:
+            return
         if self.sources is not None and torch.equal(self.sources[batch_indices], self.sources):
             return
         self.cross_attn.reorder(batch_indices)
         if self.sources is not None:
             self.sources = self.sources[batch_indices]
+        self.rows_per_source = 0
 
 
 class DecoderLayer(_ResidualLayer):
@@ -349,5 +359,5 @@ class Decoder(TokenStack):
             attn = layer.self_attn
             own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
                           dtype=parameter.dtype, device=parameter.device)
-            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources))
+            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources, repeats))
         return caches

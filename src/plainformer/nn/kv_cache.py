@@ -60,7 +60,10 @@ class KVCache:
     def values(self) -> Tensor:
         return self._v[:, :, :self.length]
 
-    def reorder(self, batch_indices: Tensor) -> None:
-        """Keep batch rows `batch_indices` (beam search picks which hypotheses survive)."""
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+        """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
+
+        group_size (see `DecoderCache.reorder`) changes nothing here: every row is its own.
+        """
         self._k = self._k.index_select(0, batch_indices)
         self._v = self._v.index_select(0, batch_indices)
