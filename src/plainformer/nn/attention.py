@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -155,8 +155,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dr
                          f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
                          f"{mask.attn_mask.dtype}")
     out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale)
-    assert isinstance(out, Tensor)  # return_lse=False: the output alone
-    return out
+    return cast(Tensor, out)  # without return_lse, the output alone
 
 
 def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dropout_p: float) -> str:
