@@ -400,3 +400,19 @@ def test_a_reorder_within_each_sources_rows_keeps_the_memory_cache_without_copyi
     assert torch.equal(cache.cross_attn.keys(), memory_keys[torch.tensor([1, 1, 3, 2])])
     cache.reorder(torch.tensor([2, 3, 0, 1]))  # rows change source: the memory cache follows
     assert torch.equal(cache.cross_attn.keys(), memory_keys[torch.tensor([2, 3, 0, 1])])
+
+
+def test_a_reorder_declared_within_beams_keeps_the_memory_cache_without_reading_the_indices(monkeypatch):
+    """Beam search promises that rows stay among their sentence's beams: the memory cache is kept
+    without comparing sources (torch.equal, a host sync per layer and step on a GPU)."""
+    torch.manual_seed(0)
+    decoder = Decoder(13, D, H, D_FF, 1, max_len=8)
+    (cache,) = decoder.new_kv_caches(torch.randn(2, M, D), repeats=2)
+    memory_keys = cache.cross_attn.keys()
+    own = torch.randn(4, H, 1, D // H)
+    cache.self_attn.append(own, own)
+    monkeypatch.setattr(torch, "equal", lambda *args: pytest.fail("the indices were read"))
+    cache.reorder(torch.tensor([1, 1, 3, 2]), group_size=2)
+    monkeypatch.undo()
+    assert cache.cross_attn.keys().data_ptr() == memory_keys.data_ptr()
+    assert torch.equal(cache.self_attn.keys()[:, :, 0], own[torch.tensor([1, 1, 3, 2]), :, 0])

@@ -46,8 +46,19 @@ def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None =
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p is not None and top_p < 1.0:
         logits = _nucleus(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _categorical(torch.softmax(logits, dim=-1), generator)
+
+
+def _categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row of probs (B, V): argmax_i p_i / E_i with E_i ~ Exp(1) independent.
+
+    E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is the j-th with probability
+    p_j / Σ p (the exponential race), so this is a categorical draw. Why not torch.multinomial: it
+    validates its input with host syncs on every call, a stall per token on a GPU. Tokens with p = 0
+    never win (their ratio is set to 0 rather than 0 / E).
+    """
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.where(probs > 0, probs / race, 0.0).argmax(dim=-1)
 
 
 def _nucleus(logits: Tensor, top_p: float) -> Tensor:

@@ -13,11 +13,10 @@ residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +24,15 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..config import Config
+from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.kv_cache import KVCache
+from ..nn.masks import AttentionMask
+from ..nn.modes import eval_mode
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
@@ -184,18 +186,21 @@ class GPT(nn.Module):
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> Tensor:
         """idx (B, n) -> h_L (B, n, d_model), the last block's output before the final norm."""
         offset = self._check_positions(idx, kv_caches)
-        x = self.token_embedding(idx)  # (B, n, d_model)
+        n = idx.shape[1]
+        x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
         if self.position is not None:
             x = self.position(x, offset=offset)
         x = self.dropout(x)
+        mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
         for layer, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[layer]
-            x = block(x, is_causal=True, rope=self.rope, kv_cache=cache)
+            x = block(x, mask, rope=self.rope, kv_cache=cache)
         return x
 
     def _check_positions(self, idx: Tensor, kv_caches: list[KVCache] | None) -> int:
-        """Validate idx and the caches; return the position of idx[:, 0]."""
-        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        """Validate idx's shape and dtype and the caches (no token id is read: see
+        `_checks.lookup_token_ids`); return the position of idx[:, 0]."""
+        _checks.check_token_id_tensor("idx", idx)
         offset = 0 if kv_caches is None else kv_caches[0].length
         if offset + idx.shape[1] > self.config.block_size:
             raise ValueError(f"idx has {idx.shape[1]} positions after {offset} cached ones, more than "
@@ -215,7 +220,7 @@ class GPT(nn.Module):
                         dtype=parameter.dtype, device=parameter.device)
                 for _ in range(self.config.n_layers)]
 
-    def decoder(self) -> "GPTDecoder":
+    def decoder(self) -> GPTDecoder:
         """This model as `generation.iter_generate` drives it fastest (see `GPTDecoder`)."""
         return GPTDecoder(self)
 
@@ -225,15 +230,13 @@ class GPT(nn.Module):
         """Extend prompts idx (B, n) by max_new_tokens sampled tokens -> (B, n + max_new_tokens).
 
         temperature 0 is greedy decoding. Past block_size the context slides (see `generation`).
+        The prompt's ids are checked once here; the decoding steps check nothing that needs a sync.
         """
-        was_training = self.training
-        self.eval()
-        try:
-            with torch.inference_mode():  # why: no autograd bookkeeping at all, unlike no_grad
-                return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
-                                       top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
-        finally:
-            self.train(was_training)
+        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        # why inference_mode: no autograd bookkeeping at all, unlike no_grad
+        with eval_mode(self), torch.inference_mode():
+            return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -241,47 +244,3 @@ class GPT(nn.Module):
     def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "GPT":
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
         return load_model(directory, cls, GPTConfig, map_location=map_location)
-
-
-class GPTDecoder:
-    """A GPT as `generation` drives it: model(idx, kv_caches) -> (logits (B, 1, V), None), the logits
-    of the last position only, which is all that sampling reads. Two layouts make decoding faster
-    on CPU, where one token reads every weight once and memory bandwidth sets the pace:
-
-    - fp32: the output projection x Eᵀ uses a copy of E (V, d_model) laid out as Eᵀ (d_model, V),
-      made once per decoder and freed with it. For one row, MKL streams GPT-2's 154 MB output weight
-      at ~21 GB/s in that layout against ~12 GB/s from (V, d_model) (one core).
-    - bf16: a step of a single row (batch 1) runs its matmuls with ATen's own bf16 matrix-vector
-      kernel instead of oneDNN's (`_aten_bf16_matmuls`), about twice as fast for one row.
-    """
-
-    def __init__(self, model: GPT):
-        self.model = model
-        self.block_size = model.block_size
-        weight = model.lm_head.weight.detach()
-        self.output_weight_t = weight.t().contiguous() if weight.dtype == torch.float32 else weight.t()
-
-    def new_kv_caches(self, batch_size: int) -> list[KVCache]:
-        return self.model.new_kv_caches(batch_size)
-
-    def __call__(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> tuple[Tensor, None]:
-        single_row = idx.numel() == 1 and self.output_weight_t.dtype == torch.bfloat16
-        with _aten_bf16_matmuls() if single_row else contextlib.nullcontext():
-            last = self.model.hidden_states(idx, kv_caches=kv_caches)[:, -1:]  # (B, 1, d_model)
-            return self.model.norm(last) @ self.output_weight_t, None  # (B, 1, V)
-
-
-@contextlib.contextmanager
-def _aten_bf16_matmuls() -> Iterator[None]:
-    """Route matmuls to ATen's kernels instead of oneDNN while it lasts (a process-wide switch).
-
-    Why: for a single row, ATen's bf16 matrix-vector kernel (fp32 accumulation) streams the weights at
-    about twice oneDNN's rate here (GPT-2 bf16 greedy decoding at batch 1: 48 instead of 22 tokens/s
-    on one core). With more rows oneDNN's bf16 matmul is much faster, so it is left on for those.
-    """
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled
