@@ -63,13 +63,16 @@ def test_gpt_generate_performs_at_most_one_sync_per_new_token(use_cache):
     assert syncs <= 20 + 1
 
 
-def test_iter_generate_with_eos_syncs_once_per_token():
-    """With eos_id the loop asks once per token whether every row has finished."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_iter_generate_with_eos_syncs_once_per_token(temperature):
+    """With eos_id the loop asks once per token whether every row has finished; when sampling, the
+    same host read says whether a row had no distribution to sample from."""
     torch.manual_seed(0)
     model = pf.GPT(pf.GPTConfig(**TINY_GPT)).eval()
     with torch.no_grad():
         syncs = count_syncs(lambda: list(pf.iter_generate(model.decoder(), _ids(40, 2, 3), 20,
-                                                          temperature=0.0, eos_id=39)))
+                                                          temperature=temperature, eos_id=39,
+                                                          generator=torch.Generator().manual_seed(1))))
     assert syncs <= 20
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..io.atomic import atomic_path
 from ..nn.attention import MultiHeadAttention
+from ..nn.modes import eval_mode
 from .bert import BertModel
 from .gpt import GPT
 from .transformer import Transformer
@@ -76,13 +77,8 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
         call = lambda: model(idx)  # noqa: E731
     else:
         raise TypeError(f"model must be a GPT, a BERT or a Transformer, got {type(model).__name__}")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), recorded_attention(modules) as weights:
-            call()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), recorded_attention(modules) as weights:
+        call()
     return torch.stack(weights)[:, 0].float()  # (L, H, n, m)
 
 

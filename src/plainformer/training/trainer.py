@@ -36,6 +36,7 @@ from ..io.checkpoint import (
     save_checkpoint,
 )
 from ..io.run_lock import run_lock
+from ..nn.modes import eval_mode
 from .config import TrainConfig
 from .distributed import Distributed, process_group
 from .optim import lr_at, make_optimizer, set_lr
@@ -256,13 +257,8 @@ class Trainer:
         if self._val_batches is None:
             size = self.config.eval_batch_size or self.config.batch_size
             self._val_batches = [self._batch("val", i, size) for i in range(self.config.eval_batches)]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self._autocast():
-                losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), self._autocast():
+            losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
         return self.dist.mean(torch.stack(losses).mean()).item()
 
     # ------------------------------------------------------------------------- the loop
