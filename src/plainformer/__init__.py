@@ -48,6 +48,7 @@ from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLaye
 from .nn.feedforward import FeedForward
 from .nn.flash import flash_attention
 from .nn.kv_cache import KVCache
+from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .nn.rope import RotaryEmbedding
@@ -83,6 +84,7 @@ __all__ = [
     "LMBatchSource",
     "LMData",
     "LearnedPositionalEmbedding",
+    "MoEFeedForward",
     "MultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",
@@ -106,6 +108,7 @@ __all__ = [
     "generate",
     "iter_generate",
     "load_checkpoint",
+    "load_balancing_loss",
     "load_hf_bert",
     "load_split",
     "load_text",
@@ -115,6 +118,7 @@ __all__ = [
     "make_task",
     "plot_loss_curve",
     "prepare_lm_data",
+    "router_z_loss",
     "sample_next",
     "save_checkpoint",
     "save_hf_bert",

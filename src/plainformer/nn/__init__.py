@@ -8,12 +8,14 @@ from .blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
 from .feedforward import FeedForward
 from .flash import flash_attention
 from .kv_cache import KVCache
+from .moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
 
 __all__ = [
     "Decoder", "DecoderCache", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "KVCache",
-    "LearnedPositionalEmbedding", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
-    "SinusoidalPositionalEncoding", "attention", "causal_mask", "flash_attention", "scaled_dot_product_attention",
+    "LearnedPositionalEmbedding", "MoEFeedForward", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
+    "SinusoidalPositionalEncoding", "attention", "causal_mask", "flash_attention", "load_balancing_loss",
+    "router_z_loss", "scaled_dot_product_attention",
 ]
