@@ -49,7 +49,7 @@ def load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
     _checks.check_positive_int("top_k", top_k)
     if top_k > n_experts:
         raise ValueError(f"top_k must be at most the number of experts {n_experts}, got {top_k}")
-    probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
+    probs = torch.softmax(router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)), dim=-1)
     chosen = probs.topk(top_k, dim=-1).indices  # (T, K)
     f = torch.bincount(chosen.flatten(), minlength=n_experts).float() / router_logits.shape[0]  # (E,)
     return n_experts * (f * probs.mean(dim=0)).sum()
@@ -58,7 +58,7 @@ def load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
 def router_z_loss(router_logits: Tensor) -> Tensor:
     """L_z = mean_t (logsumexp_i s_{t,i})² from router_logits (T, E) -> scalar, in fp32 or wider."""
     _checks.check_tensor("router_logits", router_logits, ndim=2, shape_doc="(T, E)")
-    logits = router_logits if router_logits.dtype == torch.float64 else router_logits.float()
+    logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
@@ -248,8 +248,8 @@ class MoEFeedForward(nn.Module):
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
     def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
-        """router_logits (T, E) -> chosen experts (T, K) and their gates g (T, K) in fp32."""
-        logits = router_logits.float()
+        """router_logits (T, E) -> chosen experts (T, K) and their gates g (T, K), in fp32 or wider."""
+        logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)  # (T, E)
         experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # (T, K)
         gates = scores.gather(1, experts)  # (T, K)
@@ -282,7 +282,7 @@ class MoEFeedForward(nn.Module):
             keep.bernoulli_(1 - self.dropout).div_(1 - self.dropout)
         xs = _Dispatch.apply(flat, tokens, inverse)  # (S, d_model)
         ys = _SwiGLUExperts.apply(xs, self.W_1, self.W_3, self.W_2, counts, keep)  # (S, d_model)
-        weighted = ys.float() * gates.flatten()[order].unsqueeze(1)  # (S, d_model), gates in fp32
+        weighted = ys.to(gates.dtype) * gates.flatten()[order].unsqueeze(1)  # (S, d_model), gates in fp32+
         out = _Combine.apply(weighted, tokens, inverse, flat.shape[0]).to(x.dtype).reshape(x.shape)
         if self.shared is not None:
             out = out + self.shared(x)
