@@ -44,20 +44,21 @@ if TYPE_CHECKING:
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
 
-    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
+    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward, or the module passed as `ff`,
+    e.g. an `MoEFeedForward`), `norm1`, `norm2`.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto"):
+                 attention_dropout: float | None = None, backend: str = "auto", ff: nn.Module | None = None):
         super().__init__()
         _checks.check_probability("dropout", dropout)
         attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.norm_first = norm_first
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
                                             dropout=attention_dropout, backend=backend)
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias) if ff is None else ff
         self.norm1 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
         self.norm2 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
         self.dropout1 = nn.Dropout(dropout)
