@@ -69,7 +69,7 @@ class _SwiGLUExperts(torch.autograd.Function):
     the dropout mask (already scaled by 1/(1-p)) or None. One autograd node with a hand-written
     backward: each expert's matmuls write into row slices of preallocated contiguous tensors, so there
     is no per-expert autograd bookkeeping, concatenation or strided elementwise pass. With
-    g = xs W_1ᵀ, u = xs W_3ᵀ (saved) and a = SiLU(g) ⊙ u ⊙ keep (recomputed in the backward):
+    g = xs W_1ᵀ, u = xs W_3ᵀ and a = SiLU(g) ⊙ u ⊙ keep (g, u, SiLU(g) and a saved for the backward):
         da = dy W_2,  dW_2 = dyᵀ a,  dg = SiLU'(g) ⊙ da ⊙ keep ⊙ u,  du = da ⊙ keep ⊙ SiLU(g),
         dxs = dg W_1 + du W_3,  dW_1 = dgᵀ xs,  dW_3 = duᵀ xs                (per expert slice)
     """
@@ -82,23 +82,22 @@ class _SwiGLUExperts(torch.autograd.Function):
         for e, rows in _expert_slices(counts):
             torch.mm(xs[rows], W_1[e].t(), out=gate[rows])
             torch.mm(xs[rows], W_3[e].t(), out=up[rows])
-        a = _swiglu(gate, up, keep)  # (S, d_ff)
+        silu = F.silu(gate)
+        a = silu * up if keep is None else silu * up * keep  # (S, d_ff)
         ys = torch.empty_like(xs)  # (S, d_model)
         for e, rows in _expert_slices(counts):
             torch.mm(a[rows], W_2[e].t(), out=ys[rows])
-        ctx.save_for_backward(xs, W_1, W_3, W_2, gate, up, keep)
+        ctx.save_for_backward(xs, W_1, W_3, W_2, gate, up, silu, a, keep)
         ctx.counts = counts
         return ys
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dys: Tensor):
-        xs, W_1, W_3, W_2, gate, up, keep = ctx.saved_tensors
+        xs, W_1, W_3, W_2, gate, up, silu, a, keep = ctx.saved_tensors
         counts = ctx.counts
         dys = dys.contiguous()
-        silu = F.silu(gate)
-        a = silu * up if keep is None else silu * up * keep  # (S, d_ff)
-        da = torch.empty_like(a)
+        da = torch.empty_like(a)  # (S, d_ff)
         dW_1, dW_3, dW_2 = (torch.zeros_like(W) for W in (W_1, W_3, W_2))  # empty experts: zero gradient
         for e, rows in _expert_slices(counts):
             torch.mm(dys[rows], W_2[e], out=da[rows])
@@ -114,12 +113,6 @@ class _SwiGLUExperts(torch.autograd.Function):
             torch.mm(dgate[rows].t(), xs[rows], out=dW_1[e])
             torch.mm(dup[rows].t(), xs[rows], out=dW_3[e])
         return dxs, dW_1, dW_3, dW_2, None, None
-
-
-def _swiglu(gate: Tensor, up: Tensor, keep: Tensor | None) -> Tensor:
-    """SiLU(g) ⊙ u (⊙ keep), (S, d_ff)."""
-    a = F.silu(gate).mul_(up)
-    return a if keep is None else a.mul_(keep)
 
 
 def _to_slots(x: Tensor, tokens: Tensor) -> Tensor:
