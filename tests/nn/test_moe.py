@@ -423,3 +423,15 @@ def test_wrong_input_width_names_d_model():
 def test_load_balancing_loss_rejects_top_k_above_the_experts():
     with pytest.raises(ValueError, match="top_k"):
         pf.load_balancing_loss(torch.randn(3, 4), 5)
+
+
+def test_bfloat16_autocast_runs_the_experts_in_bfloat16_and_trains_the_fp32_weights():
+    layer = _layer(8, 12, 4, 2)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    ref = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert layer.router_logits.dtype == torch.bfloat16 and out.dtype == torch.float32
+    assert 0 < (out - ref).abs().max() < 2e-2  # bf16 matmuls, not an fp32 pass in disguise
+    out.sum().backward()
+    assert layer.W_1.grad.dtype == torch.float32 and layer.W_1.grad.abs().sum() > 0

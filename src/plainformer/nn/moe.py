@@ -269,12 +269,17 @@ class MoEFeedForward(nn.Module):
             self.step_dropped += dropped
         tokens = order // self.top_k  # (S,) the token of each kept slot
         inverse = None if dropped else torch.argsort(order)  # slot t·K + k -> its sorted position
+        # Under autocast the experts run in its dtype, as an nn.Linear would; the gates stay fp32.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         keep = None
         if self.training and self.dropout > 0:
-            keep = torch.empty(order.shape[0], self.W_1.shape[1], dtype=x.dtype, device=x.device)
+            keep = torch.empty(order.shape[0], self.W_1.shape[1], dtype=dtype, device=x.device)
             keep.bernoulli_(1 - self.dropout).div_(1 - self.dropout)
-        xs = _Dispatch.apply(flat, tokens, inverse)  # (S, d_model)
-        ys = _SwiGLUExperts.apply(xs, self.W_1, self.W_3, self.W_2, counts, keep)  # (S, d_model)
+        xs = _Dispatch.apply(flat.to(dtype), tokens, inverse)  # (S, d_model)
+        with torch.autocast(device, enabled=False):
+            ys = _SwiGLUExperts.apply(xs, self.W_1.to(dtype), self.W_3.to(dtype), self.W_2.to(dtype),
+                                      counts, keep)  # (S, d_model)
         weighted = ys.to(gates.dtype) * gates.flatten()[order].unsqueeze(1)  # (S, d_model), gates in fp32+
         out = _Combine.apply(weighted, tokens, inverse, flat.shape[0]).to(x.dtype).reshape(x.shape)
         if self.shared is not None:

@@ -31,6 +31,10 @@ def _check_number(name: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+_DEFAULT_RECIPE = dict(max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
+                       weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=20, dtype="bfloat16")
+
+
 @dataclasses.dataclass
 class TrainConfig(Config):
     """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off
@@ -74,9 +78,9 @@ class TrainConfig(Config):
                                  beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250,
                                  eval_batches=200),
         # The GPT `default` preset's recipe, chosen by experiment (README, "Choosing the default").
-        "default": dict(max_steps=1200, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100,
-                        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200,
-                        eval_batches=20, dtype="bfloat16"),
+        "default": _DEFAULT_RECIPE,
+        # The GPT `moe` preset trains with the same recipe, so the two compare step for step.
+        "moe": _DEFAULT_RECIPE,
         # Vaswani et al. 2017, section 5.3: Adam(0.9, 0.98, 1e-9), inverse-sqrt with 4000 warmup steps.
         "transformer-paper": dict(schedule="inverse_sqrt", lr=1.0, warmup_steps=4000,
                                   schedule_d_model=512, beta1=0.9, beta2=0.98, eps=1e-9,

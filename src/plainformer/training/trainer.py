@@ -35,6 +35,7 @@ from ..io.checkpoint import (
 )
 from .config import TrainConfig
 from .optim import lr_at, make_optimizer
+from .moe_stats import MoEStats, plot_expert_load
 from .plots import plot_loss_curve
 
 
@@ -128,6 +129,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.optimizer = make_optimizer(model, config)
         self._forward = torch.compile(model) if config.compile else model
+        self.moe_stats = MoEStats(model)
         self.step = 0
         self.data_position = 0
         self.best_val_loss: float | None = None
@@ -205,6 +207,7 @@ class Trainer:
         grad_norm = (nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                      if cfg.grad_clip > 0 else None)
         self.optimizer.step()
+        self.moe_stats.after_step()  # once per optimizer step: the router biases and the load window
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum / cfg.grad_accum_steps, tokens, grad_norm
@@ -259,7 +262,7 @@ class Trainer:
                     saved = self._save_last()
                 if interrupt.requested:
                     bar.close()
-                    plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+                    self._plot()
                     raise TrainingInterrupted(self.step, self.out_dir / "last")
             if window.steps:
                 self._log_train(window, watch.total, grad_norm, bar)
@@ -267,10 +270,15 @@ class Trainer:
                 self._evaluate_and_keep_best()
             if saved != self.step:
                 self._save_last()
-        plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        self._plot()
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
                 "best_val_loss": self.best_val_loss,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
+
+    def _plot(self) -> None:
+        plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        if self.moe_stats:
+            plot_expert_load(self.metrics_path, self.out_dir / "expert_load.png")
 
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""
@@ -285,9 +293,11 @@ class Trainer:
         self.train_loss, tokens_per_s = window.flush(train_seconds)
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
+        moe = self.moe_stats.flush()
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
-                     elapsed_s=self._elapsed(), **extra)
-        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}")
+                     elapsed_s=self._elapsed(), **extra, **moe)
+        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}",
+                        **({"moe_viol": f"{moe['max_violation']:.2f}"} if moe else {}))
 
     def _evaluate_and_keep_best(self) -> int:
         self.val_loss = self.evaluate()
