@@ -115,6 +115,11 @@ class _SwiGLUExperts(torch.autograd.Function):
         return dxs, dW_1, dW_3, dW_2, None, None
 
 
+def _inverse_permutation(order: Tensor) -> Tensor:
+    """inverse[order[s]] = s, by one scatter instead of a second sort."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def _to_slots(x: Tensor, tokens: Tensor) -> Tensor:
     """Dispatch D: x (T, d) -> (S, d), row s = x[tokens[s]]."""
     return x.index_select(0, tokens)
@@ -268,7 +273,7 @@ class MoEFeedForward(nn.Module):
                 self.step_load += loads
             self.step_dropped += dropped
         tokens = order // self.top_k  # (S,) the token of each kept slot
-        inverse = None if dropped else torch.argsort(order)  # slot t·K + k -> its sorted position
+        inverse = None if dropped else _inverse_permutation(order)  # slot t·K + k -> its sorted position
         # Under autocast the experts run in its dtype, as an nn.Linear would; the gates stay fp32.
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
