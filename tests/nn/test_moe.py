@@ -4,6 +4,7 @@ against transformers' `load_balancing_loss_func` and by hand; the aux-loss-free 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -284,6 +285,15 @@ def test_router_z_loss_by_hand_in_float64():
     by_hand = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / len(logits)
     by_hand = torch.tensor(by_hand, dtype=torch.float64)
     assert_close(pf.router_z_loss(logits), by_hand)
+
+
+def test_a_layer_after_a_training_forward_can_be_deep_copied():
+    layer = _layer(8, 12, 4, 2)
+    x = torch.randn(2, 5, 8)
+    layer(x)
+    twin = copy.deepcopy(layer)
+    assert twin.router_logits is None and layer.router_logits is not None
+    assert_close(twin(x), layer(x))
 
 
 def test_aux_losses_read_the_last_forward():

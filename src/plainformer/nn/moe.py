@@ -303,6 +303,10 @@ class MoEFeedForward(nn.Module):
         order = torch.cat([order[start:start + k] for start, k in zip(starts, kept)])
         return order, kept, sum(counts) - sum(kept)
 
+    def __getstate__(self) -> dict:
+        # Why: the last logits are part of an autograd graph, which copy.deepcopy and pickle refuse.
+        return {**self.__dict__, "router_logits": None}
+
     def aux_losses(self) -> tuple[Tensor, Tensor]:
         """(L_aux, L_z) of the last forward's router logits."""
         if self.router_logits is None:
