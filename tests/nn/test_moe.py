@@ -342,7 +342,7 @@ def test_bias_moves_the_load_of_a_skewed_router_toward_balance():
         layer.router.weight[0, 0] = 0.4  # x[..., 0] ~ N(1, 1) pushes most tokens to expert 0
 
     def violation() -> float:
-        load = layer.step_load
+        load = layer.step_load.float()
         return ((load.max() - load.mean()) / load.mean()).item()
 
     layer.train()

@@ -224,7 +224,8 @@ class MoEFeedForward(nn.Module):
         self.shared = (FeedForward(d_model, n_shared_experts * d_ff, "swiglu", dropout, bias=False)
                        if n_shared_experts else None)
         self.register_buffer("expert_bias", torch.zeros(n_experts))
-        self.register_buffer("step_load", torch.zeros(n_experts), persistent=False)
+        # An integer count, so that casting the model to half precision cannot round it.
+        self.register_buffer("step_load", torch.zeros(n_experts, dtype=torch.long), persistent=False)
         self.step_dropped = 0
         self.router_logits: Tensor | None = None
         self.reset_parameters()
@@ -317,7 +318,7 @@ class MoEFeedForward(nn.Module):
     def update_bias(self) -> None:
         """Once per optimizer step: b_i += u · sign(mean load − load_i), b -= mean(b); reset step stats."""
         if self.bias_update_rate > 0:
-            load = self.step_load
+            load = self.step_load.to(self.expert_bias.dtype)
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
             self.expert_bias -= self.expert_bias.mean()
         self.step_load.zero_()
