@@ -247,14 +247,23 @@ class MoEFeedForward(nn.Module):
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
     def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
-        """router_logits (T, E) -> chosen experts (T, K) and their gates g (T, K), in fp32 or wider."""
+        """router_logits (T, E) -> chosen experts (T, K) and their gates g (T, K), in fp32 or wider.
+
+        The choice needs no gradient; the gates are computed from the K chosen logits only, which is
+        exact: softmax renormalised over the top K is softmax(s_topK), and without renormalisation
+        p_e = exp(s_e − logsumexp(s)). This keeps the (T, E) softmax out of the autograd graph.
+        """
         logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
-        scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)  # (T, E)
-        experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # (T, K)
-        gates = scores.gather(1, experts)  # (T, K)
+        with torch.no_grad():
+            scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)  # (T, E)
+            experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # (T, K)
+        chosen = logits.gather(1, experts)  # (T, K)
+        if self.score == "sigmoid":
+            gates = torch.sigmoid(chosen)
+            return experts, gates / gates.sum(dim=-1, keepdim=True) if self.normalize_top_k else gates
         if self.normalize_top_k:
-            gates = gates / gates.sum(dim=-1, keepdim=True)
-        return experts, gates
+            return experts, torch.softmax(chosen, dim=-1)
+        return experts, torch.exp(chosen - torch.logsumexp(logits, dim=-1, keepdim=True))
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (B, n, d_model) -> (B, n, d_model)."""
