@@ -6,6 +6,9 @@
     loss = cross_entropy(logits, targets)              next-token prediction
 
 Each block is the pre-LN `EncoderLayer` with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
+With n_experts > 0 the FFN of every moe_every-th block after the first first_dense_layers is a
+Mixture-of-Experts layer (`nn.moe`), and the training loss adds its balancing terms averaged over
+those layers: loss = CE + aux_loss_coef · mean_l L_aux + z_loss_coef · mean_l L_z (in eval, CE only).
 With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
@@ -33,6 +36,7 @@ from ..nn.feedforward import ACTIVATIONS
 from ..nn.kv_cache import KVCache
 from ..nn.masks import AttentionMask
 from ..nn.modes import eval_mode
+from ..nn.moe import MoEFeedForward, moe_layers, mean_router_losses
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
@@ -60,6 +64,16 @@ class GPTConfig(Config):
     backend: str = "auto"
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    capacity_factor: float | None = None
+    bias_update_rate: float = 0.0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
@@ -73,6 +87,9 @@ class GPTConfig(Config):
         # The best model found for ~5 minutes on 2 CPU cores: see README, "Choosing the default".
         "default": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=688, dropout=0.0,
                         pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
+        # "default" with 8 SwiGLU experts of half its width, top-2: the same active FFN size per token.
+        "moe": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=344, dropout=0.0,
+                    pos_encoding="rope", norm="rmsnorm", activation="swiglu", n_experts=8, top_k=2),
     }
 
     def validate(self) -> None:
@@ -95,6 +112,29 @@ class GPTConfig(Config):
                              f"got {self.d_model}/{self.n_heads}")
         if self.pos_encoding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        _checks.check_positive_int("top_k", self.top_k)
+        _checks.check_positive_int("moe_every", self.moe_every)
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k must be at most n_experts={self.n_experts}, got {self.top_k}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
+                self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
+            raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
+        return (self.n_experts > 0 and layer >= self.first_dense_layers
+                and (layer - self.first_dense_layers) % self.moe_every == 0)
 
     @property
     def head_dim(self) -> int:
@@ -121,8 +161,9 @@ class GPT(nn.Module):
             EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
                          activation=config.activation, norm_first=True, n_kv_heads=config.n_kv_heads,
                          norm=config.norm, norm_eps=config.norm_eps, bias=config.bias,
-                         backend=config.backend)
-            for _ in range(config.n_layers))
+                         backend=config.backend,
+                         ff=self._make_moe(config) if config.is_moe_layer(layer) else None)
+            for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -131,7 +172,18 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
         for block in self.blocks:
             nn.init.normal_(block.self_attn.W_o.weight, std=residual_std)
-            nn.init.normal_(block.ff.W_2.weight, std=residual_std)
+            if isinstance(block.ff, MoEFeedForward):
+                nn.init.normal_(block.ff.W_2, std=residual_std)
+                if block.ff.shared is not None:
+                    nn.init.normal_(block.ff.shared.W_2.weight, std=residual_std)
+            else:
+                nn.init.normal_(block.ff.W_2.weight, std=residual_std)
+
+    @staticmethod
+    def _make_moe(config: GPTConfig) -> MoEFeedForward:
+        return MoEFeedForward(config.d_model, config.d_ff, config.n_experts, config.top_k,
+                              n_shared_experts=config.n_shared_experts, capacity_factor=config.capacity_factor,
+                              bias_update_rate=config.bias_update_rate, dropout=config.dropout)
 
     @staticmethod
     def _make_position_encoding(config: GPTConfig) -> nn.Module | None:
@@ -147,6 +199,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, MoEFeedForward):
+            for weight in (module.W_1, module.W_3, module.W_2):
+                nn.init.normal_(weight, mean=0.0, std=0.02)
 
     @property
     def block_size(self) -> int:
@@ -181,6 +236,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        if self.training and self.config.n_experts:
+            aux, z = mean_router_losses(moe_layers(self))
+            loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
         return logits, loss
 
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> Tensor:

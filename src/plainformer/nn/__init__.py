@@ -11,13 +11,14 @@ from .kv_cache import KVCache
 from .linear import Linear
 from .masks import AttentionMask, causal_mask
 from .modes import eval_mode
+from .moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
 
 __all__ = [
     "AttentionMask", "Decoder", "DecoderCache", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "KVCache",
-    "LearnedPositionalEmbedding", "Linear", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
+    "LearnedPositionalEmbedding", "Linear", "MoEFeedForward", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
     "SinusoidalPositionalEncoding", "attention", "causal_mask", "eval_mode", "flash_attention",
-    "scaled_dot_product_attention",
+    "load_balancing_loss", "router_z_loss", "scaled_dot_product_attention",
 ]

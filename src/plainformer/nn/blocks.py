@@ -55,7 +55,7 @@ class _ResidualLayer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, cross_attention: bool, dropout: float,
                  activation: str, norm_first: bool, n_kv_heads: int | None, norm: str, norm_eps: float,
-                 bias: bool, attention_dropout: float | None, backend: str):
+                 bias: bool, attention_dropout: float | None, backend: str, ff: nn.Module | None = None):
         super().__init__()
         _checks.check_probability("dropout", dropout)
         attention_dropout = dropout if attention_dropout is None else attention_dropout
@@ -68,7 +68,7 @@ class _ResidualLayer(nn.Module):
         self.self_attn = attention()
         if cross_attention:
             self.cross_attn = attention()
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias) if ff is None else ff
         sublayers = 3 if cross_attention else 2
         for i in range(1, sublayers + 1):
             self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias))
@@ -92,16 +92,18 @@ class _ResidualLayer(nn.Module):
 class EncoderLayer(_ResidualLayer):
     """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
 
-    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
+    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward, or the module passed as `ff`,
+    e.g. an `MoEFeedForward`), `norm1`, `norm2`.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto"):
+                 attention_dropout: float | None = None, backend: str = "auto", ff: nn.Module | None = None):
         super().__init__(d_model, n_heads, d_ff, cross_attention=False, dropout=dropout,
                          activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
-                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend)
+                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend,
+                         ff=ff)
 
     def forward(self, x: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,

@@ -38,6 +38,7 @@ def _check_number(name: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+
 @dataclasses.dataclass
 class TrainConfig(Config):
     """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off

@@ -39,6 +39,7 @@ from ..io.run_lock import run_lock
 from ..nn.modes import eval_mode
 from .config import TrainConfig
 from .distributed import Distributed, process_group
+from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
 from .precision import resolve_dtype
@@ -156,6 +157,7 @@ class Trainer:
         self.config = config = config.replace(dtype=dtype)
         self.optimizer = make_optimizer(model, config)
         self._forward = torch.compile(self._wrapped) if config.compile else self._wrapped
+        self.moe_stats = MoEStats(model)
         self.step = 0
         self.data_position = 0
         self.best_val_loss: float | None = None
@@ -246,6 +248,7 @@ class Trainer:
         grad_norm = (self.dist.local(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
                      if cfg.grad_clip > 0 else None)
         self.optimizer.step()
+        self.moe_stats.after_step()  # once per optimizer step: the router biases and the load window
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._last_is_current = False
@@ -329,8 +332,11 @@ class Trainer:
                 or bool(cfg.save_interval and step % cfg.save_interval == 0))
 
     def _plot(self) -> None:
-        if self.dist.is_main:
-            plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        if not self.dist.is_main:
+            return
+        plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        if self.moe_stats:
+            plot_expert_load(self.metrics_path, self.out_dir / "expert_load.png")
 
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""
@@ -347,9 +353,11 @@ class Trainer:
         self._last_is_current = False
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
+        moe = self.moe_stats.flush()
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
-                     elapsed_s=self._elapsed(), **extra)
-        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}")
+                     elapsed_s=self._elapsed(), **extra, **moe)
+        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}",
+                        **({"moe_viol": f"{moe['max_violation']:.2f}"} if moe else {}))
 
     def _evaluate_and_keep_best(self) -> None:
         self.val_loss = self.evaluate()
