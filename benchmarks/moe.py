@@ -28,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,10 +38,8 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import extra_peak_bytes  # noqa: E402
-
-import plainformer as pf  # noqa: E402
-
+import plainformer as pf
+from attention import extra_peak_bytes
 
 WARMUP_STEPS = pf.TrainConfig.PRESETS["moe"]["warmup_steps"]
 

@@ -32,16 +32,17 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from plainformer import recipes
 from plainformer.cli import build_parser
-from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
 from plainformer.data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
+from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
 from plainformer.training.optim import make_optimizer
 
 TASK = "numbers-en-fr"

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import SHAPES, training_step  # noqa: E402
-
-import plainformer as pf  # noqa: E402
-from plainformer.training.config import TrainConfig  # noqa: E402
-from plainformer.training.optim import make_optimizer  # noqa: E402
+import plainformer as pf
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import make_optimizer
+from train_gpt import SHAPES, training_step
 
 SHAPE = SHAPES["nanogpt-cpu"]
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -8,7 +8,7 @@ each is a graph break, so a training forward must have none, and decoding at mos
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ inside torch. Nothing in this module knows about the Transformer; it only phrase
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor

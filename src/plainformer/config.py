@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, ClassVar, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="Config")
 

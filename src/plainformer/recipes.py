@@ -12,7 +12,8 @@ the command line or in a `--config` file override its fields one by one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .config import Config
 from .data.classification import DEFAULT_PLAYS

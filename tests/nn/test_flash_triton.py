@@ -15,9 +15,9 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock

@@ -7,7 +7,7 @@ torch packs W_q, W_k, W_v into one `in_proj_weight` (3·d_model, d_model); ours 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

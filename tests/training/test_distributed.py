@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from plainformer.data.lm import LMBatchSource
 from plainformer.io.checkpoint import load_checkpoint
 from plainformer.models.gpt import GPT, GPTConfig
+from plainformer.nn.moe import MoEFeedForward
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -35,7 +36,6 @@ from plainformer.training.distributed import (
     resolve_parallel,
     torchrun_command,
 )
-from plainformer.nn.moe import MoEFeedForward
 from plainformer.training.trainer import Trainer
 
 WORLD, B, STEPS, VOCAB, BLOCK = 2, 3, 4, 23, 8

@@ -28,8 +28,8 @@ import importlib.resources
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

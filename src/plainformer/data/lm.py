@@ -35,8 +35,8 @@ import re
 import shutil
 import sys
 from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import tokenizers as hf

@@ -31,8 +31,9 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator
+from typing import IO
 
 from .corpus import DOCUMENT_BREAK, bundled_works, load_text
 

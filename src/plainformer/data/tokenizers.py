@@ -25,8 +25,9 @@ import json
 import numbers
 import os
 import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import tokenizers as hf

@@ -16,7 +16,8 @@ are not cached yet.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor

@@ -34,8 +34,9 @@ import random
 import shutil
 import uuid
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,7 +105,7 @@ def _gpt2_config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     activation = hf.get("activation_function", "gelu_new")
-    ours = {"gelu": "gelu", "relu": "relu", **{alias: "gelu_tanh" for alias in _GPT2_TANH_ALIASES}}
+    ours = {"gelu": "gelu", "relu": "relu", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
     if activation not in ours:
         raise ValueError(f"activation_function={activation!r} is not supported; expected one of "
                          f"{', '.join(map(repr, ours))}")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn

@@ -15,7 +15,8 @@ Initialisation follows BERT: N(0, init_std) weights, zero biases, LayerNorm (1, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from ..nn.feedforward import ACTIVATIONS
 from ..nn.kv_cache import KVCache
 from ..nn.masks import AttentionMask
 from ..nn.modes import eval_mode
-from ..nn.moe import MoEFeedForward, moe_layers, mean_router_losses
+from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
@@ -299,6 +300,6 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ checkpoints
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "GPT":
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> GPT:
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
         return load_model(directory, cls, GPTConfig, map_location=map_location)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

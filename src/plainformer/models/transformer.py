@@ -19,8 +19,9 @@ Decoding (section 6.1) binds the encoder memory of the sources to the decoder (`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -266,6 +267,6 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ checkpoints
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "Transformer":
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> Transformer:
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
         return load_model(directory, cls, TransformerConfig, map_location=map_location)

@@ -34,7 +34,7 @@ query head; row r of a block holds query position i0 + r // G.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from .. import _checks
 from ..config import Config

@@ -32,7 +32,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

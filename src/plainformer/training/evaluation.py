@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
