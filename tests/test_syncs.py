@@ -1,9 +1,10 @@
 """Device-to-host syncs on the hot paths, counted with torch.profiler.
 
 A sync is an `aten::_local_scalar_dense`: what `.item()`, `int(tensor)` and `bool(tensor)` run (the
-first two record an `aten::item` around it, which is the same sync, counted once here). On a GPU each one stalls the host until the device catches up, and under torch.compile
-each is a graph break, so a training forward must have none, and decoding at most one per new token
-(the end-of-sequence test of `generate`'s loop). Counted on CPU: the ops are the same on every device.
+first two record an `aten::item` around it, which is the same sync, counted once here). On a GPU each
+one stalls the host until the device catches up, and under torch.compile each is a graph break, so a
+training forward must have none, and decoding at most one per new token (the end-of-sequence test of
+`generate`'s loop). Counted on CPU: the ops are the same on every device.
 """
 
 from __future__ import annotations

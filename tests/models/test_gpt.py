@@ -42,7 +42,7 @@ def _gpt_and_hf(backend: str) -> tuple[pf.GPT, transformers.GPT2LMHeadModel]:
     torch.manual_seed(0)
     theirs = transformers.GPT2LMHeadModel(_hf_config(config)).eval()
     with torch.no_grad():  # larger than GPT-2's init so attention is far from uniform; random biases and norms
-        for name, parameter in theirs.named_parameters():
+        for parameter in theirs.parameters():
             parameter.normal_(0.0, 0.5 if parameter.ndim == 1 else 0.15)
     ours = pf.GPT(config).eval()
     ours.load_state_dict(state_from_hf(theirs.state_dict(), config))  # the library's GPT-2 weight map

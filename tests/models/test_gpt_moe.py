@@ -40,7 +40,7 @@ def _mixtral(model: pf.GPT) -> transformers.MixtralForCausalLM:
         sliding_window=None, attn_implementation="eager")).eval()
     with torch.no_grad():
         theirs.model.embed_tokens.weight.copy_(model.token_embedding.weight)
-        for block, layer in zip(model.blocks, theirs.model.layers):
+        for block, layer in zip(model.blocks, theirs.model.layers, strict=True):
             for ours_name, hf_name in (("W_q", "q_proj"), ("W_k", "k_proj"), ("W_v", "v_proj"), ("W_o", "o_proj")):
                 getattr(layer.self_attn, hf_name).weight.copy_(getattr(block.self_attn, ours_name).weight)
             layer.input_layernorm.weight.copy_(block.norm1.weight)

@@ -63,9 +63,9 @@ def _dense_oracle(layer: pf.MoEFeedForward, x: torch.Tensor, *, keep: torch.Tens
 
 def _grads(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
     """Gradients of <out, G> by name: "x" and every parameter of the layer."""
-    names, parameters = zip(*layer.named_parameters())
+    names, parameters = zip(*layer.named_parameters(), strict=True)
     grads = torch.autograd.grad(out, [x, *parameters], upstream_like(out), allow_unused=True)
-    return dict(zip(["x", *names], grads))
+    return dict(zip(["x", *names], grads, strict=True))
 
 
 def _assert_same_grads(actual: dict, expected: dict) -> None:

@@ -134,7 +134,7 @@ def test_a_muon_run_resumes_bit_exactly(tmp_path):
     resumed, metrics = train_gpt(tmp_path / "b", resume=True, model=tiny_gpt(tie_weights=True, seed=9),
                                  decay_steps=6)
     assert metrics["step"] == 6
-    for (name, p), q in zip(resumed.model.state_dict().items(), reference.model.state_dict().values()):
+    for (name, p), q in zip(resumed.model.state_dict().items(), reference.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     a, b = resumed.optimizer.state_dict(), reference.optimizer.state_dict()
     assert a["state"].keys() == b["state"].keys()

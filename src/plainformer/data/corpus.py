@@ -25,6 +25,7 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
+import itertools
 import math
 import os
 import re
@@ -94,7 +95,7 @@ def bundled_works(text: str) -> list[Work]:
     for title, length in rows:
         works.append(Work(title, start, start + int(length)))
         start += int(length) + len(_BUNDLED_SEPARATOR)
-    gaps = [text[a.end:b.start] for a, b in zip(works, works[1:])]
+    gaps = [text[a.end:b.start] for a, b in itertools.pairwise(works)]
     if works[-1].end != len(text) or any(gap != _BUNDLED_SEPARATOR for gap in gaps):
         raise ValueError("the bundled corpus does not match corpus/works.tsv; the installation is damaged")
     # Each work ends with a newline; like any document it goes without its trailing whitespace.

@@ -152,7 +152,7 @@ def encode_documents(pieces: Iterable[Piece], tokenizer: Tokenizer) -> Iterator[
     separator = separator_ids(tokenizer)
     between = False  # a document ended before the next chunk
     for group in _groups(document_chunks(pieces, ENCODE_CHUNK_CHARS)):
-        for ids, (_, ends) in zip(_encode_texts(tokenizer, [text for text, _ in group]), group):
+        for ids, (_, ends) in zip(_encode_texts(tokenizer, [text for text, _ in group]), group, strict=True):
             if between:
                 yield separator
             yield ids

@@ -424,7 +424,7 @@ class WordPieceTokenizer(_HFTokenizer):
         if pairs is not None:
             if isinstance(pairs, str) or not isinstance(pairs, Sequence) or len(pairs) != len(texts):
                 raise ValueError(f"pairs must be a list of str as long as texts ({len(texts)})")
-            items = [(a, _check_text("pairs item", b)) for a, b in zip(items, pairs)]
+            items = [(a, _check_text("pairs item", b)) for a, b in zip(items, pairs, strict=True)]
         if max_length is not None:
             _checks.check_positive_int("max_length", max_length)
             framing = self._tok.num_special_tokens_to_add(pairs is not None)

@@ -530,7 +530,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids) or len(set(ids)) != len(ids):
         raise CheckpointError(f"{file}: the 'params' of the param groups must be distinct integers")
     groups = []
-    for number, (group, ours) in enumerate(zip(saved, current)):
+    for number, (group, ours) in enumerate(zip(saved, current, strict=True)):
         values = {"params": group["params"]}
         for key, value in ours.items():
             if key in _IMPLEMENTATION_FLAGS:
@@ -539,7 +539,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
                 values[key] = _hyperparameter(f"{file}: param group {number}, {key!r}",
                                               group.get(key, value), value)
         groups.append(values)
-    return groups, dict(zip(ids, (p for c in current for p in c["params"])))
+    return groups, dict(zip(ids, (p for c in current for p in c["params"]), strict=True))
 
 
 def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:

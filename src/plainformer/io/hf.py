@@ -280,7 +280,7 @@ def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
     state = {}
     for w in weights:
         tensor = hf_state[w.hf].T if w.transpose else hf_state[w.hf]
-        state.update(zip(w.ours, tensor.chunk(len(w.ours))))
+        state.update(zip(w.ours, tensor.chunk(len(w.ours)), strict=True))
     if config.tie_weights:
         state[f"{HEAD}.weight"] = state["token_embedding.weight"]
     return state

@@ -260,7 +260,7 @@ class Transformer(nn.Module):
             chunk = order[start:start + batch_size]
             src = pad_sequence([encoded[i] for i in chunk], batch_first=True, padding_value=self.config.pad_id)
             for i, row in zip(chunk, self.generate(src.to(device), beam_size=beam_size,
-                                                   length_penalty=length_penalty)):
+                                                   length_penalty=length_penalty), strict=True):
                 translations[i] = tokenizer.decode(row[1:])
         return translations
 

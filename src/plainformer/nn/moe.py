@@ -310,7 +310,7 @@ class MoEFeedForward(nn.Module):
         starts = [0]
         for count in counts[:-1]:
             starts.append(starts[-1] + count)
-        order = torch.cat([order[start:start + k] for start, k in zip(starts, kept)])
+        order = torch.cat([order[start:start + k] for start, k in zip(starts, kept, strict=True)])
         return order, kept, sum(counts) - sum(kept)
 
     def __getstate__(self) -> dict:

@@ -87,7 +87,7 @@ def score_translations(model: nn.Module, sources: Sequence[str], references: Seq
         hypotheses = model.translate(list(sources), beam_size=beam_size, length_penalty=length_penalty,
                                      batch_size=batch_size)
     elapsed = time.perf_counter() - start
-    exact = sum(h == r for h, r in zip(hypotheses, references)) / len(references)
+    exact = sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
     bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
     return {"bleu": bleu, "exact_match": exact, "sentences": len(references), "beam": beam_size,
             "decode_s": elapsed, "sentences_per_s": len(references) / max(elapsed, 1e-9)}

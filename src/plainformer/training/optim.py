@@ -158,6 +158,6 @@ class MuonWithAdamW:
                 "state": {i - offset: state_dict["state"][i] for i in indices if i in state_dict["state"]},
                 "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in own]})
             offset += len(indices)
-        for group, scale in zip(self.param_groups, scales):
+        for group, scale in zip(self.param_groups, scales, strict=True):
             if scale is not None:
                 group["lr_scale"] = scale
