@@ -33,7 +33,7 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
@@ -55,11 +55,11 @@ def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = Non
 
 
 def check_min_rank(name: str, x: object, min_ndim: int, shape_doc: str) -> Tensor:
-    check_tensor(name, x)
-    if x.dim() < min_ndim:  # type: ignore[union-attr]
+    tensor = check_tensor(name, x)
+    if tensor.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions {shape_doc}, "
-                         f"got shape {tuple(x.shape)}")  # type: ignore[union-attr]
-    return x  # type: ignore[return-value]
+                         f"got shape {tuple(tensor.shape)}")
+    return tensor
 
 
 def check_floating(name: str, x: Tensor) -> Tensor:

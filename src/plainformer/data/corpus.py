@@ -155,6 +155,7 @@ def line_cut(boundary: Boundary, length: int, pieces: Iterable[str]) -> int | No
     line start leaving validation at least `boundary.need` characters; failing that, for the first
     document, which cannot go whole, the first line start. None: no line start fits, the document
     goes to validation whole."""
+    assert boundary.need is not None, "a boundary document cut by lines has a need"
     limit = length - boundary.need  # cut at or before this offset
     before = after = None
     offset = 0

@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import tokenizers as hf
@@ -163,7 +163,8 @@ class Tokenizer(abc.ABC):
 
     @property
     def all_special_ids(self) -> list[int]:
-        return sorted(self._special_id(role) for role in self.special_tokens)
+        # every special token is in the vocabulary, so none of these ids is None
+        return sorted(cast(int, self._special_id(role)) for role in self.special_tokens)
 
     @property
     def fingerprint(self) -> str:

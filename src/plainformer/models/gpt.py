@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
-from ..nn.feedforward import ACTIVATIONS
+from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
 from ..nn.masks import AttentionMask
 from ..nn.modes import eval_mode
@@ -171,14 +171,14 @@ class GPT(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in self.blocks:
+        for block in cast(Iterable[EncoderLayer], self.blocks):
             nn.init.normal_(block.self_attn.W_o.weight, std=residual_std)
             if isinstance(block.ff, MoEFeedForward):
                 nn.init.normal_(block.ff.W_2, std=residual_std)
                 if block.ff.shared is not None:
                     nn.init.normal_(block.ff.shared.W_2.weight, std=residual_std)
             else:
-                nn.init.normal_(block.ff.W_2.weight, std=residual_std)
+                nn.init.normal_(cast(FeedForward, block.ff).W_2.weight, std=residual_std)
 
     @staticmethod
     def _make_moe(config: GPTConfig) -> MoEFeedForward:

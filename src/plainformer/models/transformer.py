@@ -141,9 +141,9 @@ class Transformer(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
-        shape = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
+        shape: dict[str, Any] = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
                      max_len=config.max_len)
-        options = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
+        options: dict[str, Any] = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
                        norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend)
         self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **shape, **options)
         self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **shape, **options)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,11 @@ class _ResidualLayer(nn.Module):
 
     Submodules: `self_attn` (and `cross_attn`), `ff`, `norm1` .. `norm{k}`, `dropout1` .. `dropout{k}`.
     """
+
+    norm1: nn.Module  # registered by add_module, in a loop
+    norm2: nn.Module
+    dropout1: nn.Module
+    dropout2: nn.Module
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, cross_attention: bool, dropout: float,
                  activation: str, norm_first: bool, n_kv_heads: int | None, norm: str, norm_eps: float,
@@ -233,6 +238,10 @@ class DecoderLayer(_ResidualLayer):
     Submodules: `self_attn`, `cross_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`..`norm3`.
     """
 
+    cross_attn: MultiHeadAttention
+    norm3: nn.Module
+    dropout3: nn.Module
+
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
@@ -339,7 +348,7 @@ class Decoder(TokenStack):
         _checks.check_same_device(tgt=tgt, memory=memory)
         if memory.shape[0] != batch:
             raise ValueError(f"memory must have the batch size of tgt ({batch}), got {tuple(memory.shape)}")
-        heads = self.layers[0].self_attn.n_heads
+        heads = cast(DecoderLayer, self.layers[0]).self_attn.n_heads
         check_masks(batch, heads, n, m, tgt.device, key_padding_mask=tgt_key_padding_mask,
                     key_padding_name="tgt_key_padding_mask")
         check_masks(batch, heads, n, memory.shape[1], tgt.device, key_padding_mask=memory_key_padding_mask,
@@ -358,7 +367,7 @@ class Decoder(TokenStack):
         parameter = self.embedding.weight
         sources = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
         caches = []
-        for layer in self.layers:
+        for layer in cast(Iterable[DecoderLayer], self.layers):
             attn = layer.self_attn
             own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
                           dtype=parameter.dtype, device=parameter.device)

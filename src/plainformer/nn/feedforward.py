@@ -47,5 +47,6 @@ class FeedForward(nn.Module):
         elif self.activation == "gelu_tanh":
             hidden = F.gelu(hidden, approximate="tanh")
         else:
+            assert self.W_3 is not None  # built for swiglu
             hidden = F.silu(hidden) * self.W_3(x)
         return self.W_2(self.dropout(hidden))

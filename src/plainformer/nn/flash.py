@@ -194,7 +194,7 @@ class _Tiles:
         is not (10x slower on CPU).
         """
         (i0, i1), (j0, j1) = self.queries[i], self.keys[j]
-        if self.padding is not None and self.padded[j]:
+        if self.padding is not None and self.padded is not None and self.padded[j]:
             tile = scores.view(self.batch, -1, scores.shape[1], scores.shape[2])
             tile.add_(self.padding[:, None, None, j0:j1])
         if self.is_causal and j1 - 1 > i0:

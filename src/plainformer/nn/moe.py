@@ -192,6 +192,9 @@ class MoEFeedForward(nn.Module):
     because the slices of the dispatch need their sizes on the host.
     """
 
+    expert_bias: Tensor  # (E,) buffers
+    step_load: Tensor
+
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, n_shared_experts: int = 0,
                  score: str = "softmax", normalize_top_k: bool = True, capacity_factor: float | None = None,
                  bias_update_rate: float = 0.0, dropout: float = 0.0):

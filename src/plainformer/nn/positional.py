@@ -52,6 +52,8 @@ def relative_shift_matrix(k: int, d_model: int) -> Tensor:
 class SinusoidalPositionalEncoding(nn.Module):
     """x + PE[offset : offset+n] for x of shape (B, n, d_model); buffer `pe` is (max_len, d_model)."""
 
+    pe: Tensor
+
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
         _checks.check_positive_int("d_model", d_model)

@@ -25,6 +25,9 @@ def rotate_half(x: Tensor) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates (B, H, n, d) queries or keys for positions offset .. offset+n-1."""
 
+    cos: Tensor  # (max_len, d) buffers
+    sin: Tensor
+
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
         super().__init__()
         _checks.check_positive_int("head_dim", head_dim)
