@@ -244,6 +244,7 @@ def weight_map(config: GPTConfig, layout: Layout | None = None) -> list[Weight]:
     weights = []
     for hf, ours, kind in entries:
         ours = (ours,) if isinstance(ours, str) else ours
+        tensors: tuple[str, ...]
         if kind == LINEAR and hf == HEAD:
             tensors = ("weight",)  # the output projection never has a bias
         elif kind == EMBEDDING or (kind == NORM and config.norm == "rmsnorm"):
@@ -277,7 +278,7 @@ def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
         if names:
             raise ValueError(f"{problem} weights for a {config.n_layers}-layer {layout.architecture}: "
                              f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
-    state = {}
+    state: dict[str, Tensor] = {}
     for w in weights:
         tensor = hf_state[w.hf].T if w.transpose else hf_state[w.hf]
         state.update(zip(w.ours, tensor.chunk(len(w.ours)), strict=True))
@@ -384,6 +385,7 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
     the directory has one) as `.tokenizer`."""
     directory = Path(directory)
     hf = read_hf_config(directory)
+    model: GPT | BertModel
     if hf.get("model_type") == "bert":
         model = load_hf_bert(directory, backend=backend)
     else:
@@ -395,7 +397,7 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
         except RuntimeError as e:
             raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
         model.eval()
-    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))
+    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))  # type: ignore[assignment]
     return model
 
 

@@ -40,7 +40,9 @@ class MoEStats:
 
     def _reset(self) -> None:
         self._steps = 0
-        self._load = self._aux = self._z = None
+        self._load: torch.Tensor | None = None  # (L, E) slots per expert, summed over the window
+        self._aux: torch.Tensor | None = None
+        self._z: torch.Tensor | None = None
         self._dropped = 0
 
     @torch.no_grad()
@@ -62,6 +64,7 @@ class MoEStats:
         """The window's metrics (see the module docstring) for a metrics.jsonl row; {} when empty."""
         if not self.layers or not self._steps:
             return {}
+        assert self._load is not None and self._aux is not None and self._z is not None  # set by a step
         load = self._load / self._load.sum(dim=1, keepdim=True).clamp_min(1)  # (L, E)
         mean = load.mean(dim=1)
         violation = ((load.max(dim=1).values - mean) / mean).max()

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -130,10 +130,12 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.model, self.source, self.config = model, source, config
         self.out_dir = Path(out_dir)
-        self.family = family or getattr(model, "family", None)
-        if not isinstance(self.family, str):
+        family = family or getattr(model, "family", None)
+        if not isinstance(family, str):
             raise ValueError(f"family is required: {type(model).__name__} has no `family` attribute")
-        model_config = model.config if model_config is None and hasattr(model, "config") else model_config
+        self.family = family
+        if model_config is None:
+            model_config = getattr(model, "config", None)
         if model_config is None:
             raise ValueError(f"model_config is required: {type(model).__name__} has no `config`")
         # Through JSON, so that it compares equal to what a checkpoint holds.
@@ -156,7 +158,8 @@ class Trainer:
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
         self.config = config = config.replace(dtype=dtype)
-        self.optimizer = make_optimizer(model, config)
+        # MuonWithAdamW is not an Optimizer subclass but has the interface the trainer and checkpoints use.
+        self.optimizer = cast(torch.optim.Optimizer, make_optimizer(model, config))
         self._forward = torch.compile(self._wrapped) if config.compile else self._wrapped
         self.moe_stats = MoEStats(model)
         self.step = 0
@@ -169,7 +172,7 @@ class Trainer:
         self._val_batches: list[dict[str, Tensor]] | None = None
         self._evaluated_step: int | None = None  # the step of the latest evaluation
         self._last_is_current = False  # last/ holds this step and everything logged so far
-        self._unlogged = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
+        self._unlogged: dict[str, Any] = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
