@@ -84,8 +84,8 @@ def score_translations(model: nn.Module, sources: Sequence[str], references: Seq
                          f"{len(sources)} and {len(references)}")
     start = time.perf_counter()
     with evaluating(model):
-        hypotheses = model.translate(list(sources),  # type: ignore[operator]  # any module with translate beam_size=beam_size, length_penalty=length_penalty,
-                                     batch_size=batch_size)
+        hypotheses = model.translate(  # type: ignore[operator]  # any module with a translate method
+            list(sources), beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size)
     elapsed = time.perf_counter() - start
     exact = sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
     bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
