@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import extra_peak_bytes  # noqa: E402
 
 import plainformer as pf  # noqa: E402
+from plainformer import recipes  # noqa: E402
 
 
-WARMUP_STEPS = pf.TrainConfig.PRESETS["moe"]["warmup_steps"]
+WARMUP_STEPS = recipes.get("moe").train.warmup_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

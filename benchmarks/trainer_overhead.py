@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_gpt import SHAPES, training_step  # noqa: E402
 
 import plainformer as pf  # noqa: E402
+from plainformer import recipes  # noqa: E402
 from plainformer.training.config import TrainConfig  # noqa: E402
 from plainformer.training.optim import make_optimizer  # noqa: E402
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
-    recipe = TrainConfig.from_preset("nanogpt-cpu").replace(
+    recipe = recipes.get("nanogpt-cpu").train.replace(
         batch_size=SHAPE["batch"], dtype=args.dtype, eval_interval=0, save_interval=0, eval_batches=1)
     model = nanogpt_cpu_model()
     with tempfile.TemporaryDirectory() as tmp:
