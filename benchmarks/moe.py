@@ -40,8 +40,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plainformer as pf
 from attention import extra_peak_bytes
+from plainformer import recipes
 
-WARMUP_STEPS = pf.TrainConfig.PRESETS["moe"]["warmup_steps"]
+WARMUP_STEPS = recipes.get("moe").train.warmup_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plainformer as pf
+from plainformer import recipes
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer
 from train_gpt import SHAPES, training_step
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
-    recipe = TrainConfig.from_preset("nanogpt-cpu").replace(
+    recipe = recipes.get("nanogpt-cpu").train.replace(
         batch_size=SHAPE["batch"], dtype=args.dtype, eval_interval=0, save_interval=0, eval_batches=1)
     model = nanogpt_cpu_model()
     with tempfile.TemporaryDirectory() as tmp:
