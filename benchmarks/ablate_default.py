@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import plainformer as pf
+from plainformer import recipes
 from plainformer.training.config import TrainConfig
 
 # name -> (GPTConfig changes, TrainConfig changes), all relative to the `default` preset.
@@ -86,7 +87,7 @@ def run_variant(name: str, data: pf.LMData, budget_s: float, calibration_steps: 
     if missing:
         return {**row, "skipped": f"no field {', '.join(missing)}"}
     model_config = pf.GPTConfig.from_preset("default", vocab_size=data.tokenizer.vocab_size, **model_changes)
-    recipe = TrainConfig.from_preset("default").replace(eval_interval=0, save_interval=0, **train_changes)
+    recipe = recipes.get("default").train.replace(eval_interval=0, save_interval=0, **train_changes)
     calibration = train(model_config, recipe.replace(max_steps=calibration_steps, eval_batches=1),
                         data, tmp / f"{name}-calibration")
     tokens_per_step = recipe.batch_size * recipe.grad_accum_steps * model_config.block_size

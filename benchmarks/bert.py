@@ -23,16 +23,15 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import extra_peak_bytes  # noqa: E402
-
+from attention import extra_peak_bytes
 from plainformer.data.corpus import load_text
 from plainformer.io.hf_bert import minilm_path
 from plainformer.models.sentence import SentenceEncoder

@@ -39,11 +39,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from plainformer.data.lm import LMBatchSource  # noqa: E402
-from plainformer.models.gpt import GPT, GPTConfig  # noqa: E402
-from plainformer.training.config import TrainConfig  # noqa: E402
-from plainformer.training.distributed import Distributed, process_group  # noqa: E402
-from plainformer.training.optim import make_optimizer  # noqa: E402
+from plainformer.data.lm import LMBatchSource
+from plainformer.models.gpt import GPT, GPTConfig
+from plainformer.training.config import TrainConfig
+from plainformer.training.distributed import Distributed, process_group
+from plainformer.training.optim import make_optimizer
 
 SHAPES = {
     "default": dict(model=dict(GPTConfig.PRESETS["default"], vocab_size=65), batch=16),

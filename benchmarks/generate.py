@@ -32,15 +32,15 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _hf_gpt2 import gpt2_pair  # noqa: E402
-from attention import extra_peak_bytes  # noqa: E402
+from _hf_gpt2 import gpt2_pair
+from attention import extra_peak_bytes
 
 MEMORY_TOKENS = 16
 

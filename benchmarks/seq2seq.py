@@ -6,15 +6,15 @@ quality on the default task after `plainformer train --preset seq2seq-numbers-en
 
 Throughput. One training step = forward with label-smoothed loss, backward, optimizer update and
 zero_grad, on batches of the default task (`numbers-en-fr`, 64 sentence pairs grouped by length) with
-the default model shape (preset `small`; `--presets` adds others, e.g. the paper's `base`). The peer is torch's nn.Transformer (batch_first, post-LN,
-relu, no final norms, as the paper and ours) between the same embedding (scaled by √d_model, plus the
-sinusoidal table) and the tied output projection, given the same source, target and memory padding
-masks and causal mask (its layers keep torch's initialisation: speed does not depend on the
-weights). Both use the optimizer our trainer builds
+the default model shape (preset `small`; `--presets` adds others, e.g. the paper's `base`). The peer is
+torch's nn.Transformer (batch_first, post-LN, relu, no final norms, as the paper and ours) between the
+same embedding (scaled by √d_model, plus the sinusoidal table) and the tied output projection, given the
+same source, target and memory padding masks and causal mask (its layers keep torch's initialisation:
+speed does not depend on the weights). Both use the optimizer our trainer builds
 (`training.make_optimizer`: fused AdamW, β = (0.9, 0.98), ε = 1e-9, no weight decay) and run the same
 batches, interleaved (who goes first alternates) in this one process, after a warm-up; medians of the
-rounds are quoted. tokens = source + target tokens that are not padding. ratio = ours / peer in
-tokens/s (higher is better; the issue's target is >= 1.0).
+rounds are quoted. tokens = source + target tokens that are not padding. ratio = ours / peer in tokens/s
+(higher is better; the issue's target is >= 1.0).
 
 Quality. `plainformer train --preset seq2seq-numbers-en-fr` (model preset small) into --out,
 then `plainformer eval` of that run on the test split, greedy and with beam 4 (α = 0.6):
@@ -32,16 +32,17 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from plainformer import recipes
 from plainformer.cli import build_parser
-from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
 from plainformer.data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
+from plainformer.models.transformer import Transformer, TransformerConfig, label_smoothed_cross_entropy
 from plainformer.training.optim import make_optimizer
 
 TASK = "numbers-en-fr"
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.steps} steps; ratio = ours / peer tokens/s (higher is better); peer = torch.nn.Transformer")
     widths = [max(len(row[i]) for row in rows + [("what", "ours", "peer", "ratio")]) for i in range(4)]
     for row in [("what", "ours", "peer", "ratio"), *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     print(json.dumps(result, sort_keys=True))
 
 

@@ -31,17 +31,16 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _hf_gpt2 import gpt2_pair  # noqa: E402
-from attention import extra_peak_bytes  # noqa: E402
-
-import plainformer as pf  # noqa: E402
+import plainformer as pf
+from _hf_gpt2 import gpt2_pair
+from attention import extra_peak_bytes
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer
 

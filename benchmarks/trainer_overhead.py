@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import SHAPES, training_step  # noqa: E402
-
-import plainformer as pf  # noqa: E402
-from plainformer.training.config import TrainConfig  # noqa: E402
-from plainformer.training.optim import make_optimizer  # noqa: E402
+import plainformer as pf
+from plainformer import recipes
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import make_optimizer
+from train_gpt import SHAPES, training_step
 
 SHAPE = SHAPES["nanogpt-cpu"]
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
-    recipe = TrainConfig.from_preset("nanogpt-cpu").replace(
+    recipe = recipes.get("nanogpt-cpu").train.replace(
         batch_size=SHAPE["batch"], dtype=args.dtype, eval_interval=0, save_interval=0, eval_batches=1)
     model = nanogpt_cpu_model()
     with tempfile.TemporaryDirectory() as tmp:

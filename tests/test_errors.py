@@ -23,6 +23,37 @@ def _encoder(**kwargs) -> pf.Encoder:
                          "max_len": 6, **kwargs})
 
 
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape, dtype=torch.long)
+
+
+def _gpt(**kwargs) -> pf.GPT:
+    return pf.GPT(pf.GPTConfig(**{"vocab_size": 10, "block_size": 4, "n_layers": 1, "n_heads": 2,
+                                  "d_model": 8, "d_ff": 16, **kwargs}))
+
+
+def _gpt_after_cached(cached: int):
+    """A GPT whose `forward` continues after `cached` positions already in its KV caches."""
+    model = _gpt()
+    caches = model.new_kv_caches(1)
+    model(_ids(1, cached), kv_caches=caches)
+    return lambda idx: model(idx, kv_caches=caches)
+
+
+def _decoder_after_cached(cached: int, tgt: torch.Tensor):
+    decoder = pf.Decoder(10, 8, 2, 16, 1, max_len=6)
+    memory = _x(1, 2, 8)
+    caches = decoder.new_kv_caches(memory)
+    decoder(_ids(1, cached), memory, kv_caches=caches)
+    return decoder(tgt, memory, kv_caches=caches)
+
+
+def _cache_holding(positions: int) -> pf.KVCache:
+    cache = pf.KVCache(1, 2, 8, 4)
+    cache.append(_x(1, 2, positions, 4), _x(1, 2, positions, 4))
+    return cache
+
+
 QKV = (_x(1, 2, 3, 4), _x(1, 2, 5, 4), _x(1, 2, 5, 4))
 
 # (id, call, exception type, fragments the message must contain)
@@ -91,33 +122,35 @@ CASES = [
      ValueError, ["mask", "(4, 3)", "(2, 2, 3, 3)"]),
     ("kv cache of other heads", lambda: _mha(*(_x(1, 3, 8),) * 3, kv_cache=pf.KVCache(1, 4, 8, 2)),
      ValueError, ["k", "(1, 2, 3, 4)", "(1, 4, n, 2)"]),
-    # ---- positions
+    # ---- positions (checked where they enter: the models, attention; the encodings check nothing)
     ("odd d_model for sinusoids", lambda: pf.SinusoidalPositionalEncoding(7, 10),
      ValueError, ["d_model", "even", "7"]),
-    ("sequence longer than max_len", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(1, 5, 8)),
-     ValueError, ["x", "length 5", "max_len=4"]),
-    ("offset past max_len", lambda: pf.LearnedPositionalEmbedding(8, 4)(_x(1, 2, 8), offset=3),
-     ValueError, ["x", "length 5", "max_len=4"]),
-    ("negative offset", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(1, 2, 8), offset=-1),
-     ValueError, ["offset", "-1"]),
-    ("positional input of rank 2", lambda: pf.SinusoidalPositionalEncoding(8, 4)(_x(3, 8)),
-     ValueError, ["x", "(3, 8)", "(B, n, d_model)"]),
+    ("sequence longer than block_size", lambda: _gpt(pos_encoding="sinusoidal")(_ids(1, 5)),
+     ValueError, ["idx", "5 positions", "block_size=4"]),
+    ("cached positions past block_size", lambda: _gpt_after_cached(3)(_ids(1, 2)),
+     ValueError, ["idx", "2 positions after 3 cached", "block_size=4"]),
+    ("decoder positions past max_len", lambda: _decoder_after_cached(4, _ids(1, 3)),
+     ValueError, ["tgt", "length 7", "max_len=6"]),
+    ("token ids of rank 1 for a GPT", lambda: _gpt()(torch.ones(3, dtype=torch.long)),
+     ValueError, ["idx", "(3,)", "(B, n)"]),
     ("zero max_len", lambda: pf.LearnedPositionalEmbedding(8, 0), ValueError, ["max_len", "0"]),
     ("odd head_dim for rope", lambda: pf.RotaryEmbedding(7, 10), ValueError, ["head_dim", "even", "7"]),
     ("rope base not above 1", lambda: pf.RotaryEmbedding(8, 10, base=1.0), ValueError, ["base", "1.0"]),
-    ("rope input of the wrong head_dim", lambda: pf.RotaryEmbedding(8, 10)(_x(1, 1, 3, 6)),
-     ValueError, ["x", "(1, 1, 3, 6)", "head_dim = 8"]),
-    ("rope positions past max_len", lambda: pf.RotaryEmbedding(8, 4)(_x(1, 1, 3, 8), offset=2),
-     ValueError, ["x", "length 5", "max_len=4"]),
+    ("rope of the wrong head_dim", lambda: _mha(*(_x(1, 3, 8),) * 3, rope=pf.RotaryEmbedding(6, 10)),
+     ValueError, ["rope", "head_dim = 6", "head_dim = 4"]),
+    ("rope positions past max_len", lambda: _mha(*(_x(1, 3, 8),) * 3, rope=pf.RotaryEmbedding(4, 4),
+                                                 kv_cache=_cache_holding(2)),
+     ValueError, ["rotated positions", "length 5", "max_len=4"]),
     # ---- feed-forward, norms, layers
     ("bad activation", lambda: pf.FeedForward(8, 16, activation="tanh"),
      ValueError, ["activation", "'tanh'", "'relu'"]),
     ("zero d_ff", lambda: pf.FeedForward(8, 0), ValueError, ["d_ff", "0"]),
     ("string dropout", lambda: pf.FeedForward(8, 16, dropout="0.1"), TypeError, ["dropout", "str"]),
-    ("feed-forward input of the wrong width", lambda: pf.FeedForward(8, 16)(_x(2, 3, 7)),
+    ("layer input of the wrong width", lambda: pf.EncoderLayer(8, 2, 16)(_x(2, 3, 7)),
      ValueError, ["x", "(2, 3, 7)", "d_model = 8"]),
-    ("RMSNorm input of the wrong width", lambda: pf.RMSNorm(8)(_x(2, 7)),
-     ValueError, ["x", "(2, 7)", "d_model = 8"]),
+    ("rmsnorm layer memory of the wrong width",
+     lambda: pf.DecoderLayer(8, 2, 16, norm="rmsnorm")(_x(2, 3, 8), _x(2, 4, 7)),
+     ValueError, ["memory", "(2, 4, 7)", "d_model = 8"]),
     ("bad norm kind", lambda: make_norm("batchnorm", 8), ValueError, ["norm", "'batchnorm'"]),
     ("negative layer dropout", lambda: pf.EncoderLayer(8, 2, 16, dropout=-0.1),
      ValueError, ["dropout", "-0.1"]),

@@ -19,7 +19,8 @@ def test_usage_example_runs_as_written(capsys):
     assert "torch.Size([1, 21])" in printed
 
 
-def test_ci_runs_exactly_the_readme_test_command():
-    test_command = code_blocks("bash")[1].strip()
-    ci_script = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
-    assert test_command in ci_script.splitlines()
+def test_ci_runs_exactly_the_readme_test_command_then_its_checks():
+    test_command, checks = (block.strip() for block in code_blocks("bash")[1:3])
+    lines = (README.parent / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert test_command in lines and checks in lines
+    assert lines.index(test_command) < lines.index(checks)

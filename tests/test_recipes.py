@@ -26,7 +26,7 @@ def test_every_recipe_has_its_familys_model_config_and_a_valid_training_recipe(n
 def test_every_gpt_preset_has_a_recipe_with_that_model():
     for name in pf.GPTConfig.preset_names():
         assert recipes.get(name).model == pf.GPTConfig.from_preset(name)
-    assert recipes.names("gpt") == ["default", "nanogpt-cpu", "shakespeare-char", "gpt2"]
+    assert recipes.names("gpt") == ["default", "moe", "nanogpt-cpu", "shakespeare-char", "gpt2"]
 
 
 def test_gpt2_has_its_own_recipe_not_the_defaults():
@@ -45,5 +45,5 @@ def test_the_paper_recipe_keeps_the_papers_optimizer():
 
 
 def test_unknown_name_lists_the_names():
-    with pytest.raises(ValueError, match="unknown preset 'gpt-5'; choose one of default, nanogpt-cpu, "):
+    with pytest.raises(ValueError, match="unknown preset 'gpt-5'; choose one of default, moe, nanogpt-cpu, "):
         recipes.get("gpt-5")

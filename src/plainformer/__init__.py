@@ -52,6 +52,7 @@ from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLaye
 from .nn.feedforward import FeedForward
 from .nn.flash import flash_attention
 from .nn.kv_cache import KVCache
+from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .nn.rope import RotaryEmbedding
@@ -87,6 +88,7 @@ __all__ = [
     "LMBatchSource",
     "LMData",
     "LearnedPositionalEmbedding",
+    "MoEFeedForward",
     "MultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",
@@ -112,6 +114,7 @@ __all__ = [
     "iter_generate",
     "load_checkpoint",
     "load_hf",
+    "load_balancing_loss",
     "load_hf_bert",
     "load_hf_tokenizer",
     "load_split",
@@ -123,6 +126,7 @@ __all__ = [
     "plot_attention_maps",
     "plot_loss_curve",
     "prepare_lm_data",
+    "router_z_loss",
     "sample_next",
     "save_checkpoint",
     "save_hf",

@@ -7,7 +7,7 @@ inside torch. Nothing in this module knows about the Transformer; it only phrase
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
@@ -63,11 +63,11 @@ def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = Non
 
 
 def check_min_rank(name: str, x: object, min_ndim: int, shape_doc: str) -> Tensor:
-    check_tensor(name, x)
-    if x.dim() < min_ndim:  # type: ignore[union-attr]
+    tensor = check_tensor(name, x)
+    if tensor.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions {shape_doc}, "
-                         f"got shape {tuple(x.shape)}")  # type: ignore[union-attr]
-    return x  # type: ignore[return-value]
+                         f"got shape {tuple(tensor.shape)}")
+    return tensor
 
 
 def check_floating(name: str, x: Tensor) -> Tensor:
@@ -113,16 +113,56 @@ def check_broadcastable(name: str, x: Tensor, target: Sequence[int], target_doc:
                          f"{target_doc} = {tuple(target)}") from None
 
 
-def check_token_ids(name: str, idx: object, vocab_size: int, *, ndim: int = 2,
-                    shape_doc: str = "(B, n)") -> Tensor:
-    """Integer token ids of rank `ndim`, each in [0, vocab_size)."""
+def check_token_id_tensor(name: str, idx: object, *, ndim: int = 2, shape_doc: str = "(B, n)") -> Tensor:
+    """An integer tensor of rank `ndim`: metadata only, so it costs no device-to-host copy."""
     idx = check_tensor(name, idx, ndim=ndim, shape_doc=shape_doc)
     if idx.dtype not in (torch.long, torch.int, torch.int16, torch.uint8, torch.int8):
         raise TypeError(f"{name} must hold integer token ids, got dtype {idx.dtype}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab_size):
+    return idx
+
+
+def check_token_ids(name: str, idx: object, vocab_size: int, *, ndim: int = 2,
+                    shape_doc: str = "(B, n)") -> Tensor:
+    """Integer token ids of rank `ndim`, each in [0, vocab_size).
+
+    Reading the range copies it to the host (a sync on an accelerator): call this where ids enter
+    from outside (a prompt, a file), once, not in a forward; see `lookup_token_ids`.
+    """
+    idx = check_token_id_tensor(name, idx, ndim=ndim, shape_doc=shape_doc)
+    if idx.numel() == 0:
+        return idx
+    low, high = torch.aminmax(idx)
+    if bool((low < 0) | (high >= vocab_size)):  # one sync; the message may take more
         raise ValueError(f"{name} holds ids in [{int(idx.min())}, {int(idx.max())}] but must be in "
                          f"[0, {vocab_size}) (vocab_size={vocab_size})")
     return idx
+
+
+def lookup_token_ids(name: str, idx: Tensor, vocab_size: int, lookup: Callable[[Tensor], Tensor]) -> Tensor:
+    """lookup(idx) (an embedding, a loss over class ids), with `check_token_ids`' message for bad ids.
+
+    Nothing is read from idx up front, so valid ids cost no device-to-host copy: an id outside
+    [0, vocab_size) makes the CPU lookup raise IndexError, which is explained here. (On CUDA a bad id
+    is a device-side assert instead; there ids are checked where they enter: tokenizers, the CLI,
+    the prompt of `generate`.)
+    """
+    try:
+        return lookup(idx)
+    except IndexError:
+        check_token_ids(name, idx, vocab_size, ndim=idx.dim(), shape_doc="")
+        raise
+
+
+def check_key_padding_mask(name: str, mask: object, batch: int, m: int, device: torch.device) -> Tensor:
+    """A boolean (B, m) mask, True = real token, on `device`."""
+    mask = check_tensor(name, mask, ndim=2, shape_doc="(B, m)")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be boolean (True = real token), got dtype {mask.dtype}")
+    if tuple(mask.shape) != (batch, m):
+        raise ValueError(f"{name} must have shape (B, m) = {(batch, m)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")
+    return mask
 
 
 def check_index(name: str, value: object, size: int, size_name: str) -> int:

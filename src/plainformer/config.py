@@ -16,7 +16,8 @@ import functools
 import json
 import math
 import typing
-from typing import Any, ClassVar, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="Config")
 

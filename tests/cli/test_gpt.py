@@ -191,7 +191,7 @@ def test_unknown_prompt_character_is_one_clear_error_line(capsys, text_file: Pat
     (["train", "--data", "missing.txt"], "missing.txt"),
     (["train", "--max-steps", "0"], "max_steps"),
     (["train", "--d-model", "30", "--n-heads", "4"], "d_model"),
-    (["train", "--preset", "gpt3"], "unknown preset 'gpt3'; choose one of default, nanogpt-cpu"),
+    (["train", "--preset", "gpt3"], "unknown preset 'gpt3'; choose one of default, moe, nanogpt-cpu"),
     (["train", "--seq-len", "12"], "--seq-len applies to bert-mlm, bert-cls"),
     (["train", "--max-len", "12"], "not a field of GPTConfig"),
     (["train", "--vocab-size", "100"], "char tokenizer"),

@@ -93,7 +93,7 @@ def test_labels_hold_the_original_token_where_selected():
 def test_masking_is_a_function_of_the_generator():
     ids, attention = _padded_batch(batch=10)
     first, second = _mask(ids, attention, seed=9), _mask(ids, attention, seed=9)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert not torch.equal(first[1], _mask(ids, attention, seed=10)[1])
 
 

@@ -140,6 +140,24 @@ def test_rows_that_reached_eos_repeat_it_and_the_loop_stops_when_all_have(use_ca
     assert all(z.shape == (2, 10) for _, z in steps)
 
 
+class _NaNAfter(_Successor):
+    """Like _Successor, but its logits turn NaN once the sequence reaches `length` tokens."""
+
+    length = 3
+
+    def __call__(self, idx: torch.Tensor, *, kv_caches=None):
+        logits, _ = super().__call__(idx)
+        return (logits * float("nan") if kv_caches is None and idx.shape[1] >= self.length else logits), None
+
+
+@pytest.mark.parametrize("eos_id", [None, 9])
+def test_sampling_from_nan_logits_stops_the_loop_with_a_clear_error(eos_id):
+    steps = iter_generate(_NaNAfter(), torch.tensor([[1]]), 5, temperature=1.0, eos_id=eos_id, use_cache=False)
+    assert next(steps)[0].tolist() == [2]
+    with pytest.raises(ValueError, match=r"logits rows \[0\] hold NaN"):
+        list(steps)
+
+
 def test_without_eos_the_loop_runs_max_new_tokens():
     prompts = torch.tensor([[4]])
     assert pf.generate(_Successor(), prompts, 7, temperature=0).tolist() == [[4, 5, 6, 7, 8, 9, 0, 1]]

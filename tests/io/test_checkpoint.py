@@ -70,7 +70,7 @@ def test_round_trip_restores_weights_configs_and_trainer_state(tmp_path):
     assert {k: ckpt.trainer_state[k] for k in ("step", "data_position", "best_val_loss")} == \
         {"step": 5, "data_position": 10, "best_val_loss": 1.5}
     other = ckpt.restore_model(TiedNet())
-    for (name, p), q in zip(net.state_dict().items(), other.state_dict().values()):
+    for (name, p), q in zip(net.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
 
 
@@ -97,7 +97,7 @@ def test_optimizer_state_round_trips_and_continues_identically(tmp_path):
     for a, b in ((net, optimizer), (net2, optimizer2)):
         a(torch.tensor([[4, 5]])).sum().backward()
         b.step()
-    for p, q in zip(net.parameters(), net2.parameters()):
+    for p, q in zip(net.parameters(), net2.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -146,7 +146,7 @@ def test_every_ranks_rng_state_is_restored_by_rank(tmp_path):
         assert torch.equal(restored.state_dict()[name], tensor), name
     restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-2, betas=(0.9, 0.98))
     loaded.restore_optimizer(restored_optimizer)
-    for mine, theirs in zip(restored_optimizer.state.values(), optimizer.state.values()):
+    for mine, theirs in zip(restored_optimizer.state.values(), optimizer.state.values(), strict=True):
         assert torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
 
 def test_tokenizer_travels_with_the_checkpoint(tmp_path):
@@ -202,7 +202,8 @@ def _flip_last_byte(path):
     (lambda d: _flip_last_byte(d / "model.safetensors"), True, r"model\.safetensors is corrupted"),
     (lambda d: (d / "config.json").write_text("{not json"), True, r"config\.json is (truncated|corrupted)"),
     (lambda d: (d / "config.json").write_text("{not json"), False, r"config\.json is not valid JSON"),
-    (lambda d: (d / "config.json").write_text('{"model": {}}'), False, r"config\.json lacks 'format_version', 'family'"),
+    (lambda d: (d / "config.json").write_text('{"model": {}}'), False,
+     r"config\.json lacks 'format_version', 'family'"),
     (lambda d: (d / "model.safetensors").unlink(), True, r"model\.safetensors is missing"),
     (lambda d: (d / "manifest.json").write_text("[1, 2"), True, r"manifest\.json is not valid JSON"),
     (lambda d: (d / "manifest.json").unlink(), True, r"not a plainformer checkpoint: manifest\.json is missing"),
@@ -397,12 +398,13 @@ def test_optimizer_state_restored_into_the_fused_kernel_continues_identically(tm
     for a, b in ((net, optimizer), (net2, optimizer2)):
         a(torch.tensor([[4, 5]])).sum().backward()
         b.step()
-    for p, q in zip(net.parameters(), net2.parameters()):
+    for p, q in zip(net.parameters(), net2.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: {**t, "proj.weight": t["proj.weight"].int()}, r"proj\.weight has dtype torch\.int32, expected torch\.float32"),
+    (lambda t: {**t, "proj.weight": t["proj.weight"].int()},
+     r"proj\.weight has dtype torch\.int32, expected torch\.float32"),
     (lambda t: {**t, "counter": t["counter"].float()}, r"counter has dtype torch\.float32, expected torch\.int64"),
     (lambda t: {**t, "norm.bias": torch.zeros(5)}, r"norm\.bias has shape \(5,\), expected \(4,\)"),
     (lambda t: {k: v for k, v in t.items() if k != "proj.bias"}, r"missing proj\.bias; unexpected none"),
@@ -431,7 +433,8 @@ def _manifest_entry(directory, name, entry):
 
 @pytest.mark.parametrize("damage, message", [
     (lambda d: _edit_json(d, "manifest.json", lambda m: {**m, "files": {
-        k: {"size": v["size"]} for k, v in m["files"].items()}}), r"entry of 'config\.json' must be an object .* 'sha256'"),
+        k: {"size": v["size"]} for k, v in m["files"].items()}}),
+     r"entry of 'config\.json' must be an object .* 'sha256'"),
     (lambda d: _manifest_entry(d, "model.safetensors", "big"), r"entry of 'model\.safetensors' must be"),
     (lambda d: _manifest_entry(d, "../../etc/hostname", {"size": 1, "sha256": "0"}),
      r"lists '\.\./\.\./etc/hostname', which is not a file name inside the checkpoint"),

@@ -105,7 +105,7 @@ def test_written_weights_load_in_transformers_with_the_same_outputs(tmp_path):
     # And back: the written directory loads into plainformer unchanged.
     again = load_hf_bert(tmp_path / "out")
     assert again.config == config.replace(backend="auto")
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values(), strict=True))
 
 
 def test_pytorch_model_bin_is_read_with_weights_only(tmp_path, monkeypatch):

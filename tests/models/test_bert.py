@@ -101,7 +101,8 @@ def test_encoder_gradients_match_transformers_in_train_mode_without_dropout():
     ours.train(), hf.train()
     ids, mask, types = _batch()
     ours(ids, mask, types).last_hidden_state[mask].square().mean().backward()
-    hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types).last_hidden_state[mask].square().mean().backward()
+    hf_out = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+    hf_out.last_hidden_state[mask].square().mean().backward()
     hf_names = {ours_name: hf_name for hf_name, ours_name in bert_name_map(ours.config.n_layers).items()}
     hf_params = dict(hf.named_parameters())
     for name, parameter in ours.named_parameters():

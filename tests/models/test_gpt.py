@@ -42,7 +42,7 @@ def _gpt_and_hf(backend: str) -> tuple[pf.GPT, transformers.GPT2LMHeadModel]:
     torch.manual_seed(0)
     theirs = transformers.GPT2LMHeadModel(_hf_config(config)).eval()
     with torch.no_grad():  # larger than GPT-2's init so attention is far from uniform; random biases and norms
-        for name, parameter in theirs.named_parameters():
+        for parameter in theirs.parameters():
             parameter.normal_(0.0, 0.5 if parameter.ndim == 1 else 0.15)
     ours = pf.GPT(config).eval()
     ours.load_state_dict(state_from_hf(theirs.state_dict(), config))  # the library's GPT-2 weight map
@@ -231,10 +231,10 @@ def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_restores_onednn():
-    """A batch-1 bf16 step runs on ATen's matmul kernels instead of oneDNN's (see GPTDecoder): the
+def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_leaves_onednn_alone():
+    """A batch-1 bf16 step multiplies by matrix-vector products (see nn.linear and GPTDecoder): the
     logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
-    relative to the largest logit), and the process-wide oneDNN switch is as it was afterwards."""
+    relative to the largest logit), and no process-wide switch (oneDNN's) is touched."""
     model = _gpt().to(torch.bfloat16)
     prompt = _tokens(1, 5)
     enabled = torch.backends.mkldnn.enabled

@@ -105,7 +105,7 @@ def test_label_smoothing_matches_a_hand_computation():
             log_p = [x - math.log(sum(math.exp(z) for z in logits[b, t].tolist()))
                      for x in logits[b, t].tolist()]
             q = [(1 - eps) * (k == targets[b, t]) + eps / 5 for k in range(5)]
-            total -= sum(qk * lp for qk, lp in zip(q, log_p))
+            total -= sum(qk * lp for qk, lp in zip(q, log_p, strict=True))
             count += 1
     loss = label_smoothed_cross_entropy(logits, targets, eps, ignore_index=0)
     assert abs(loss.item() - total / count) <= 1e-6
@@ -122,7 +122,8 @@ def test_loss_is_the_label_smoothed_cross_entropy_over_real_target_tokens():
 
 def test_the_paper_schedule_matches_the_formula_at_known_steps():
     """lrate = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), d_model 512, warmup 4000."""
-    config = TrainConfig.from_preset("transformer-paper", schedule_d_model=TransformerConfig.from_preset("base").d_model)
+    d_model = TransformerConfig.from_preset("base").d_model
+    config = TrainConfig.from_preset("transformer-paper", schedule_d_model=d_model)
     for step, expected in ((1, 1.746928e-07), (1000, 1.746928e-04), (4000, 6.987712e-04),
                            (16000, 3.493856e-04)):
         assert lr_at(step, config) == pytest.approx(expected, rel=1e-6)

@@ -93,7 +93,7 @@ def test_matches_torch_sdpa_outputs_and_gradients(impl, kind, n, m, dtype):
     mask, is_causal, reference_mask = _mask_case(kind, n, m, dtype)
     ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal)
     theirs = _forward_backward(_torch_sdpa, q, k, v, mask=reference_mask)
-    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs):
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs, strict=True):
         assert_close(a, b, name)
 
 
@@ -102,7 +102,7 @@ def test_matches_torch_sdpa_with_explicit_scale(impl):
     q, k, v = _qkv(3, 5, torch.float64)
     ours = _forward_backward(_ours(impl), q, k, v, mask=None, scale=0.3)
     theirs = _forward_backward(_torch_sdpa, q, k, v, mask=None, scale=0.3)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert_close(a, b)
 
 
@@ -120,7 +120,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads(impl, kind, dtype):
 
     ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal)
     theirs = _forward_backward(repeated, q, k, v, mask=reference_mask)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert_close(a, b)
 
 
@@ -146,7 +146,7 @@ def test_gradcheck_float64_math_and_sdpa():
         lambda q, k, v: pf.scaled_dot_product_attention(q, k, v, mask, is_causal=True), (q, k, v))
     for backend in ("math", "sdpa"):
         assert torch.autograd.gradcheck(
-            lambda q, k, v: pf.attention(q, k, v, mask, backend=backend), (q, k, v))
+            lambda q, k, v, backend=backend: pf.attention(q, k, v, mask, backend=backend), (q, k, v))
 
 
 def test_dropout_zeroes_weights_and_rescales_the_rest():
@@ -207,7 +207,7 @@ def test_a_fully_masked_query_row_is_zero_while_others_match_torch(impl, mask_dt
     for x in (out, dq, dk, dv):
         assert torch.isfinite(x).all()
     assert (out[..., 1, :] == 0).all() and (dq[..., 1, :] == 0).all()
-    for a, b in zip((out, dq, dk, dv), _forward_backward(_torch_sdpa, q, k, v, mask=mask)):
+    for a, b in zip((out, dq, dk, dv), _forward_backward(_torch_sdpa, q, k, v, mask=mask), strict=True):
         assert_close(a, b)
 
 
@@ -291,7 +291,7 @@ def test_matches_torch_multihead_attention_with_copied_weights(self_attention, k
             assert weights.shape == (B, N_HEADS, n, m)
             assert_close(weights, ref_weights, "per-head weights")
         assert_close(out, ref, "output")
-        for i, (a, b) in enumerate(zip(_mha_grads(ours, out, inputs), _mha_grads(theirs, ref, inputs))):
+        for i, (a, b) in enumerate(zip(_mha_grads(ours, out, inputs), _mha_grads(theirs, ref, inputs), strict=True)):
             assert_close(a, b, f"gradient {i}")
 
 

@@ -83,7 +83,7 @@ def test_encoder_layer_matches_torch_transformer_encoder_layer(norm_first, mode,
     x.requires_grad_()
     out, ref = ours(x, key_padding_mask=our_mask), theirs(x, src_key_padding_mask=padded)
     assert_close(out, ref, "output")
-    for i, (a, b) in enumerate(zip(_layer_grads(ours, out, x), _layer_grads(theirs, ref, x))):
+    for i, (a, b) in enumerate(zip(_layer_grads(ours, out, x), _layer_grads(theirs, ref, x), strict=True)):
         assert_close(a, b, f"gradient {i}")
 
 
@@ -121,7 +121,7 @@ def _encoder_pair(norm_first: bool):
     with warnings.catch_warnings():  # torch warns that pre-LN turns its nested-tensor path off
         warnings.simplefilter("ignore")
         theirs = nn.TransformerEncoder(layer, 3, norm=nn.LayerNorm(D_MODEL) if norm_first else None)
-    for i, (mine, their) in enumerate(zip(ours.layers, theirs.layers)):
+    for i, (mine, their) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
         randomize_biases(their, torch.Generator().manual_seed(i))
         load_torch_encoder_layer(mine, their)
     if norm_first:
@@ -154,8 +154,9 @@ def test_encoder_stack_matches_torch_transformer_encoder(norm_first, mode):
     assert_close(out, ref, "output")
     out.backward(upstream_like(out))
     ref.backward(upstream_like(ref))
-    for mine, their in zip(ours.layers, theirs.layers):
-        for i, (a, b) in enumerate(zip(encoder_layer_parameter_grads(mine), encoder_layer_parameter_grads(their))):
+    for mine, their in zip(ours.layers, theirs.layers, strict=True):
+        grads = zip(encoder_layer_parameter_grads(mine), encoder_layer_parameter_grads(their), strict=True)
+        for i, (a, b) in enumerate(grads):
             assert_close(a, b, f"gradient {i}")
 
 
@@ -287,7 +288,7 @@ def test_decoder_stack_matches_torch_transformer_decoder(norm_first):
     layer = nn.TransformerDecoderLayer(D, H, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first)
     theirs = nn.TransformerDecoder(layer, layers, norm=nn.LayerNorm(D) if norm_first else None)
     g = torch.Generator().manual_seed(1)
-    for mine, their in zip(decoder.layers, theirs.layers):
+    for mine, their in zip(decoder.layers, theirs.layers, strict=True):
         randomize_norms(their, g)
         load_torch_decoder_layer(mine, their)
     if norm_first:
@@ -400,3 +401,19 @@ def test_a_reorder_within_each_sources_rows_keeps_the_memory_cache_without_copyi
     assert torch.equal(cache.cross_attn.keys(), memory_keys[torch.tensor([1, 1, 3, 2])])
     cache.reorder(torch.tensor([2, 3, 0, 1]))  # rows change source: the memory cache follows
     assert torch.equal(cache.cross_attn.keys(), memory_keys[torch.tensor([2, 3, 0, 1])])
+
+
+def test_a_reorder_declared_within_beams_keeps_the_memory_cache_without_reading_the_indices(monkeypatch):
+    """Beam search promises that rows stay among their sentence's beams: the memory cache is kept
+    without comparing sources (torch.equal, a host sync per layer and step on a GPU)."""
+    torch.manual_seed(0)
+    decoder = Decoder(13, D, H, D_FF, 1, max_len=8)
+    (cache,) = decoder.new_kv_caches(torch.randn(2, M, D), repeats=2)
+    memory_keys = cache.cross_attn.keys()
+    own = torch.randn(4, H, 1, D // H)
+    cache.self_attn.append(own, own)
+    monkeypatch.setattr(torch, "equal", lambda *args: pytest.fail("the indices were read"))
+    cache.reorder(torch.tensor([1, 1, 3, 2]), group_size=2)
+    monkeypatch.undo()
+    assert cache.cross_attn.keys().data_ptr() == memory_keys.data_ptr()
+    assert torch.equal(cache.self_attn.keys()[:, :, 0], own[torch.tensor([1, 1, 3, 2]), :, 0])

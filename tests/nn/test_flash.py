@@ -56,7 +56,7 @@ def reference_outputs_and_grads(q, k, v, grad_out, *, block_q=None, block_k=None
 
 
 def max_error(ours, theirs):
-    return max((a.double() - b).abs().max().item() for a, b in zip(ours, theirs))
+    return max((a.double() - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("blocks", [(32, 64), (24, 40)], ids=["blocks32x64", "blocks24x40"])
@@ -89,7 +89,7 @@ def test_bfloat16_is_within_two_percent(is_causal):
     kwargs = dict(is_causal=is_causal, key_padding_mask=padding_mask(2, 65))
     ours = outputs_and_grads(q, k, v, grad_out, block_q=64, block_k=48, **kwargs)
     theirs = reference_outputs_and_grads(q, k, v, grad_out, **kwargs)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == torch.bfloat16
         assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max()
 

@@ -15,15 +15,15 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from plainformer.nn import flash_triton as kernels
+from plainformer.nn import flash_triton as kernels  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction) and isinstance(
     kernels._forward_kernel, InterpretedFunction)
@@ -67,7 +67,7 @@ def run(q, k, v, grad_out, **kwargs):
 
 
 def assert_close(ours, theirs, tol=2e-5):
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == torch.float32
         assert (a.double() - b).abs().max().item() <= tol
 

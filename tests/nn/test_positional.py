@@ -73,16 +73,22 @@ def test_learned_embedding_adds_trainable_rows_at_the_offset(offset):
     assert (grad[used] == 2).all() and (grad[~used] == 0).all()  # each row used once per batch element
 
 
-@pytest.mark.parametrize("module", [pf.SinusoidalPositionalEncoding, pf.LearnedPositionalEmbedding])
-def test_sequences_past_max_len_are_refused(module):
-    encoding = module(8, 10)
-    encoding(torch.zeros(1, 10, 8))
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "learned"])
+def test_sequences_past_max_len_are_refused_where_they_enter(pos_encoding):
+    """The encodings check nothing (they run in every forward); the models that own them check the
+    positions, cached ones included, at their entry."""
+    model = pf.GPT(pf.GPTConfig(vocab_size=5, block_size=10, n_layers=1, n_heads=2, d_model=8, d_ff=16,
+                                pos_encoding=pos_encoding))
+    model(torch.zeros(1, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match="11 positions after 0 cached ones.*block_size=10"):
+        model(torch.zeros(1, 11, dtype=torch.long))
+    caches = model.new_kv_caches(1)
+    model(torch.zeros(1, 6, dtype=torch.long), kv_caches=caches)
+    with pytest.raises(ValueError, match="5 positions after 6 cached ones.*block_size=10"):
+        model(torch.zeros(1, 5, dtype=torch.long), kv_caches=caches)
+    encoder = pf.Encoder(5, 8, 2, 16, 1, max_len=10)
     with pytest.raises(ValueError, match="length 11.*max_len=10"):
-        encoding(torch.zeros(1, 11, 8))
-    with pytest.raises(ValueError, match="length 11.*max_len=10"):
-        encoding(torch.zeros(1, 5, 8), offset=6)
-    with pytest.raises(ValueError, match="offset must be >= 0, got -1"):
-        encoding(torch.zeros(1, 5, 8), offset=-1)
+        encoder(torch.zeros(1, 11, dtype=torch.long))
 
 
 @pytest.mark.parametrize("d_model", [1, 7])

@@ -62,9 +62,17 @@ def test_position_zero_is_the_identity():
     assert torch.equal(rope(x), x)
 
 
-def test_positions_past_max_len_are_refused():
+def test_positions_past_max_len_are_refused_where_they_enter_attention():
+    """The rotation itself checks nothing (it runs in every layer); attention's public entry checks
+    the positions, cached ones included, and the head size."""
     rope = pf.RotaryEmbedding(8, max_len=10)
+    mha = pf.MultiHeadAttention(16, 2)
+    x = torch.zeros(1, 11, 16)
     with pytest.raises(ValueError, match="length 11.*max_len=10"):
-        rope(torch.zeros(1, 1, 4, 8), offset=7)
-    with pytest.raises(ValueError, match="offset must be >= 0, got -2"):
-        rope(torch.zeros(1, 1, 4, 8), offset=-2)
+        mha(x, x, x, rope=rope)
+    cache = pf.KVCache(1, 2, max_len=16, head_dim=8)
+    cache.append(torch.zeros(1, 2, 7, 8), torch.zeros(1, 2, 7, 8))
+    with pytest.raises(ValueError, match="length 11.*max_len=10"):
+        mha(x[:, :4], x[:, :4], x[:, :4], rope=rope, kv_cache=cache)
+    with pytest.raises(ValueError, match="rope has head_dim = 6 but the attention heads have head_dim = 8"):
+        mha(x[:, :4], x[:, :4], x[:, :4], rope=pf.RotaryEmbedding(6, max_len=10))

@@ -57,9 +57,9 @@ def torch_transformer(model: Transformer) -> nn.Transformer:
                                     norm=nn.LayerNorm(c.d_model) if c.norm_first else None)
     theirs = nn.Transformer(d_model=c.d_model, nhead=c.n_heads, dropout=c.dropout, batch_first=True,
                             custom_encoder=encoder, custom_decoder=decoder)
-    for mine, their in zip(model.encoder.layers, encoder.layers):
+    for mine, their in zip(model.encoder.layers, encoder.layers, strict=True):
         load_torch_encoder_layer(mine, their)
-    for mine, their in zip(model.decoder.layers, decoder.layers):
+    for mine, their in zip(model.decoder.layers, decoder.layers, strict=True):
         load_torch_decoder_layer(mine, their)
     if c.norm_first:
         with torch.no_grad():

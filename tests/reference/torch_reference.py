@@ -7,7 +7,7 @@ torch packs W_q, W_k, W_v into one `in_proj_weight` (3·d_model, d_model); ours 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -45,17 +45,17 @@ def randomize_biases(module: nn.Module, generator: torch.Generator) -> None:
     """torch initialises attention and norm biases to 0 (and γ to 1); random ones test more."""
     with torch.no_grad():
         for name, parameter in module.named_parameters():
-            if "bias" in name or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            if "bias" in name or name.endswith(("norm1.weight", "norm2.weight")):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
 def load_torch_attention(ours: pf.MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
     """Copy nn.MultiheadAttention's packed in_proj = [W_q; W_k; W_v] and out_proj into ours."""
     with torch.no_grad():
-        for linear, weight in zip((ours.W_q, ours.W_k, ours.W_v), theirs.in_proj_weight.chunk(3)):
+        for linear, weight in zip((ours.W_q, ours.W_k, ours.W_v), theirs.in_proj_weight.chunk(3), strict=True):
             linear.weight.copy_(weight)
         if theirs.in_proj_bias is not None:
-            for linear, bias in zip((ours.W_q, ours.W_k, ours.W_v), theirs.in_proj_bias.chunk(3)):
+            for linear, bias in zip((ours.W_q, ours.W_k, ours.W_v), theirs.in_proj_bias.chunk(3), strict=True):
                 linear.bias.copy_(bias)
             ours.W_o.bias.copy_(theirs.out_proj.bias)
         ours.W_o.weight.copy_(theirs.out_proj.weight)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from plainformer.data.lm import LMBatchSource
 from plainformer.io.checkpoint import load_checkpoint
 from plainformer.models.gpt import GPT, GPTConfig
+from plainformer.nn.moe import MoEFeedForward
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -42,9 +43,19 @@ TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tiny_gpt() -> GPT:
+def _tiny_gpt(moe: bool = False) -> GPT:
+    """With moe: 4 experts, top-1, and a router bias that keeps expert 3 from ever being chosen, so
+    that DDP meets an expert without tokens in every step. L_aux is off: it is computed from each
+    process's own batch (f_i · P_i is not linear in the rows), so it alone would differ from one
+    process's; the z-loss is a mean over tokens and stays exact."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=2, n_heads=2, d_model=32, d_ff=64))
+    experts = dict(n_experts=4, top_k=1, aux_loss_coef=0.0) if moe else {}
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=2, n_heads=2, d_model=32, d_ff=64,
+                          **experts))
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            module.expert_bias[3] = -1e4
+    return model
 
 
 def _source() -> LMBatchSource:
@@ -58,8 +69,8 @@ def _config(**overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
-def _train(out: Path, *, resume: bool = False, **overrides) -> Trainer:
-    trainer = Trainer(_tiny_gpt(), _source(), _config(**overrides), out, progress=False, resume=resume)
+def _train(out: Path, *, resume: bool = False, moe: bool = False, **overrides) -> Trainer:
+    trainer = Trainer(_tiny_gpt(moe), _source(), _config(**overrides), out, progress=False, resume=resume)
     trainer.fit()
     return trainer
 
@@ -67,7 +78,8 @@ def _train(out: Path, *, resume: bool = False, **overrides) -> Trainer:
 # (name, TrainConfig overrides); "_split" runs stop at step 2, are copied, then resume to STEPS.
 JOBS = [("ddp", dict(parallel="ddp")), ("ddp_accum", dict(parallel="ddp", grad_accum_steps=2)),
         ("fsdp", dict(parallel="fsdp")), ("fsdp_accum", dict(parallel="fsdp", grad_accum_steps=2)),
-        ("ddp_split", dict(parallel="ddp")), ("fsdp_split", dict(parallel="fsdp"))]
+        ("ddp_split", dict(parallel="ddp")), ("fsdp_split", dict(parallel="fsdp")),
+        ("ddp_moe", dict(parallel="ddp", moe=True))]
 
 
 def _two_process_worker(rank: int, port: int, root: str) -> None:
@@ -109,6 +121,7 @@ def runs(tmp_path_factory) -> Path:
     torch.set_num_threads(1)
     _train(root / "ref", batch_size=WORLD * B)
     _train(root / "ref_accum", batch_size=WORLD * B, grad_accum_steps=2)
+    _train(root / "ref_moe", batch_size=WORLD * B, moe=True)
     for name in ("ddp_split", "fsdp_split"):
         _train(root / f"{name}_at_2", resume=True, batch_size=WORLD * B)
     return root
@@ -142,7 +155,16 @@ def test_two_processes_match_one_process_with_gradient_accumulation(runs):
     _assert_same_run(runs / "ddp_accum", runs / "ref_accum")
 
 
-@pytest.mark.parametrize("run", ["ddp", "ddp_accum"])
+def test_a_moe_model_with_an_expert_that_gets_no_tokens_trains_under_ddp(runs):
+    # The experts' weights are stacked (E, ...) parameters, so every one takes part in the
+    # reduction even when an expert is empty: no find_unused_parameters needed.
+    _assert_same_run(runs / "ddp_moe", runs / "ref_moe")
+    loads = [line["expert_load"] for line in map(json.loads, (runs / "ddp_moe" / "metrics.jsonl").open())
+             if "expert_load" in line]
+    assert loads and all(layer[3] == 0 for step in loads for layer in step)
+
+
+@pytest.mark.parametrize("run", ["ddp", "ddp_accum", "ddp_moe"])
 def test_ddp_ranks_hold_identical_parameters(runs, run):
     rank0, rank1 = (load_file(runs / run / f"rank{r}.safetensors") for r in range(WORLD))
     for name in rank0.keys() - {"next_draw"}:

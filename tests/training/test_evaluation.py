@@ -115,7 +115,7 @@ class FixedTranslations(nn.Module):
 def _corpus_bleu(hypotheses, references):
     """BLEU-4 with uniform weights and the brevity penalty, on whitespace tokens."""
     matches, totals = [0] * 4, [0] * 4
-    for hyp, ref in zip(hypotheses, references):
+    for hyp, ref in zip(hypotheses, references, strict=True):
         h, r = hyp.split(), ref.split()
         for n in range(1, 5):
             h_grams = Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
@@ -124,14 +124,14 @@ def _corpus_bleu(hypotheses, references):
             totals[n - 1] += max(len(h) - n + 1, 0)
     c, r = sum(len(h.split()) for h in hypotheses), sum(len(x.split()) for x in references)
     brevity = 1.0 if c > r else math.exp(1 - r / c)
-    return 100 * brevity * math.exp(sum(math.log(m / t) for m, t in zip(matches, totals)) / 4)
+    return 100 * brevity * math.exp(sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / 4)
 
 
 def test_score_translations_matches_hand_computed_bleu_and_exact_match():
     sources = ["s1", "s2", "s3"]
     references = ["the cat sat on the mat today", "a dog ran in the park", "one two three four five"]
     hypotheses = ["the cat sat on a mat today", "a dog ran in the park", "one two three four"]
-    scores = score_translations(FixedTranslations(zip(sources, hypotheses)), sources, references)
+    scores = score_translations(FixedTranslations(zip(sources, hypotheses, strict=True)), sources, references)
     assert scores["exact_match"] == 1 / 3 and scores["sentences"] == 3
     assert scores["bleu"] == pytest.approx(_corpus_bleu(hypotheses, references), abs=1e-9)
 

@@ -44,7 +44,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_head_embeddings_norms_and_b
     model = tiny_gpt(tie_weights=False)
     got = owners(model, make_optimizer(model, muon_config()))
     expected = {name: "adamw no decay" for name, _ in model.named_parameters()}
-    expected.update({name: "muon" for name in BLOCK_MATRICES})
+    expected.update(dict.fromkeys(BLOCK_MATRICES, "muon"))
     expected["lm_head.weight"] = "adamw decay"
     assert got == expected
     assert len(got) == 37  # 2 embeddings, 2 x 16 block tensors, final norm weight and bias, head
@@ -134,7 +134,7 @@ def test_a_muon_run_resumes_bit_exactly(tmp_path):
     resumed, metrics = train_gpt(tmp_path / "b", resume=True, model=tiny_gpt(tie_weights=True, seed=9),
                                  decay_steps=6)
     assert metrics["step"] == 6
-    for (name, p), q in zip(resumed.model.state_dict().items(), reference.model.state_dict().values()):
+    for (name, p), q in zip(resumed.model.state_dict().items(), reference.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     a, b = resumed.optimizer.state_dict(), reference.optimizer.state_dict()
     assert a["state"].keys() == b["state"].keys()

@@ -33,7 +33,7 @@ def test_event_files_hold_every_logged_scalar(tmp_path):
     for tag, points in expected.items():
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
         assert [s for s, _ in logged] == [s for s, _ in points], tag
-        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(logged, points)), tag
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(logged, points, strict=True)), tag
 
 
 def test_off_by_default_writes_no_event_files(tmp_path):

@@ -37,9 +37,9 @@ class TinyLM(nn.Module):
 
     family = "tiny-lm"
 
-    def __init__(self, config: TinyConfig = TinyConfig()):
+    def __init__(self, config: TinyConfig | None = None):
         super().__init__()
-        self.config = config
+        self.config = config = config if config is not None else TinyConfig()
         self.emb = nn.Embedding(config.vocab_size, config.d_model)
         self.fc1 = nn.Linear(config.d_model, config.d_ff)
         self.fc2 = nn.Linear(config.d_ff, config.d_model)
@@ -98,7 +98,7 @@ def read_metrics(out_dir, key):
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
 
 
@@ -177,7 +177,7 @@ def test_resume_gives_the_same_losses_and_bit_identical_weights(tmp_path):
     assert read_metrics(tmp_path / "b", "train_loss") == read_metrics(tmp_path / "a", "train_loss")
     assert len(read_metrics(tmp_path / "b", "train_loss")) == 8
     assert_same_weights(resumed.model, reference.model)
-    for s, t in zip(resumed.optimizer.state.values(), reference.optimizer.state.values()):
+    for s, t in zip(resumed.optimizer.state.values(), reference.optimizer.state.values(), strict=True):
         assert all(torch.equal(s[k], t[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
 
 

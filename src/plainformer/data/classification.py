@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import re
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

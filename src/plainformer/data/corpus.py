@@ -25,11 +25,12 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
+import itertools
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -94,7 +95,7 @@ def bundled_works(text: str) -> list[Work]:
     for title, length in rows:
         works.append(Work(title, start, start + int(length)))
         start += int(length) + len(_BUNDLED_SEPARATOR)
-    gaps = [text[a.end:b.start] for a, b in zip(works, works[1:])]
+    gaps = [text[a.end:b.start] for a, b in itertools.pairwise(works)]
     if works[-1].end != len(text) or any(gap != _BUNDLED_SEPARATOR for gap in gaps):
         raise ValueError("the bundled corpus does not match corpus/works.tsv; the installation is damaged")
     # Each work ends with a newline; like any document it goes without its trailing whitespace.
@@ -154,6 +155,7 @@ def line_cut(boundary: Boundary, length: int, pieces: Iterable[str]) -> int | No
     line start leaving validation at least `boundary.need` characters; failing that, for the first
     document, which cannot go whole, the first line start. None: no line start fits, the document
     goes to validation whole."""
+    assert boundary.need is not None, "a boundary document cut by lines has a need"
     limit = length - boundary.need  # cut at or before this offset
     before = after = None
     offset = 0

@@ -35,8 +35,8 @@ import re
 import shutil
 import sys
 from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import tokenizers as hf
@@ -152,7 +152,7 @@ def encode_documents(pieces: Iterable[Piece], tokenizer: Tokenizer) -> Iterator[
     separator = separator_ids(tokenizer)
     between = False  # a document ended before the next chunk
     for group in _groups(document_chunks(pieces, ENCODE_CHUNK_CHARS)):
-        for ids, (_, ends) in zip(_encode_texts(tokenizer, [text for text, _ in group]), group):
+        for ids, (_, ends) in zip(_encode_texts(tokenizer, [text for text, _ in group]), group, strict=True):
             if between:
                 yield separator
             yield ids
@@ -232,6 +232,7 @@ def build_tokenizer(split: TextSplit, kind: str = "char", *, vocab_size: int | N
     if kind == "char":
         tokenizer: Tokenizer = _CharSet([*split.documents("train"), *split.documents("val")]).tokenizer()
     else:
+        assert vocab_size is not None  # checked above: given for every kind but char
         texts = (text for text, _ in document_chunks(_pieces_of(split.documents("train")), TRAINING_CHUNK_CHARS))
         tokenizer = (BPETokenizer.train(texts, vocab_size, special_tokens=special_tokens) if kind == "bpe"
                      else WordPieceTokenizer.train(texts, vocab_size))
@@ -433,7 +434,7 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
         if (tokenizer == "char") != (vocab_size is None):
             raise ValueError(f"vocab_size must be {'None' if tokenizer == 'char' else 'given'} for a "
                              f"{tokenizer} tokenizer, got {vocab_size}")
-        spec = (tokenizer, vocab_size, hf.__version__, TOKENIZER_SAMPLE_CHARS)
+        spec: tuple[object, ...] = (tokenizer, vocab_size, hf.__version__, TOKENIZER_SAMPLE_CHARS)
     elif vocab_size is not None:
         raise ValueError("vocab_size only applies when the tokenizer is built here (tokenizer given as a kind)")
     else:
@@ -449,8 +450,9 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
         _prepare(directory, source, val_source, tokenizer, vocab_size, val_fraction, progress)
         data = _load_prepared(directory, tokenizer)
         assert data is not None, "a preparation just written must load"
-    for line in data.stats.lines() if log else ():
-        log(line)
+    if log:
+        for line in data.stats.lines():
+            log(line)
     return data
 
 
@@ -468,7 +470,8 @@ def _load_prepared(directory: Path, tokenizer: str | Tokenizer) -> LMData | None
         if not file.is_file() or file.stat().st_size != split.tokens * dtype.itemsize:
             return None
         arrays.append(np.memmap(file, dtype=dtype, mode="r"))
-    return LMData(tok, *arrays, stats, directory)
+    train, val = arrays
+    return LMData(tok, train, val, stats, directory)
 
 
 def _remove_leftovers(directory: Path) -> None:
@@ -504,10 +507,11 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
 
     directory.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(directory)
-    if tokenizer == "char":
+    if chars is not None:  # the tokenizer is "char"
         tokenizer = chars.tokenizer()
         _save_tokenizer(tokenizer, directory / "tokenizer")
     elif isinstance(tokenizer, str):
+        assert vocab_size is not None  # checked by load_lm_data: given for a bpe tokenizer
         train_chars = int(sum(lengths[:plan.index])) + (plan.cut or 0)
         with _progress_bar([source], "training the tokenizer on", progress) as bar:
             train = itertools.takewhile(lambda item: item[0] == "train", routed(bar))

@@ -11,7 +11,7 @@ Every batch source here is deterministic in (seed, split, index), as the trainer
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

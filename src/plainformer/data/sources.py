@@ -31,8 +31,8 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator
 
 from .corpus import DOCUMENT_BREAK, bundled_works, load_text
 
@@ -139,7 +139,7 @@ def _bundled_path(name: str) -> Path:
 
 # ----------------------------------------------------------------------------- reading
 
-def _open_binary(file: DataFile) -> IO[bytes]:
+def _open_binary(file: DataFile) -> io.BufferedIOBase:
     return gzip.open(file.path, "rb") if file.compressed else open(file.path, "rb")
 
 

@@ -25,8 +25,9 @@ import json
 import numbers
 import os
 import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import tokenizers as hf
@@ -162,7 +163,8 @@ class Tokenizer(abc.ABC):
 
     @property
     def all_special_ids(self) -> list[int]:
-        return sorted(self._special_id(role) for role in self.special_tokens)
+        # every special token is in the vocabulary, so none of these ids is None
+        return sorted(cast(int, self._special_id(role)) for role in self.special_tokens)
 
     @property
     def fingerprint(self) -> str:
@@ -423,7 +425,7 @@ class WordPieceTokenizer(_HFTokenizer):
         if pairs is not None:
             if isinstance(pairs, str) or not isinstance(pairs, Sequence) or len(pairs) != len(texts):
                 raise ValueError(f"pairs must be a list of str as long as texts ({len(texts)})")
-            items = [(a, _check_text("pairs item", b)) for a, b in zip(items, pairs)]
+            items = [(a, _check_text("pairs item", b)) for a, b in zip(items, pairs, strict=True)]
         if max_length is not None:
             _checks.check_positive_int("max_length", max_length)
             framing = self._tok.num_special_tokens_to_add(pairs is not None)

@@ -26,7 +26,7 @@ def beam_search(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *, 
     hypothesis that produced eos stays in the beam as one candidate (extended by eos at no cost, its
     score unchanged) competing with the unfinished ones; a row is done when all its hypotheses are.
     The B · beam_size hypotheses run as one batch: row b · beam_size + j is beam j of prompt b, and
-    the KV caches follow the surviving hypotheses via `reorder`.
+    the KV caches follow the surviving hypotheses via `reorder(rows, group_size=beam_size)`.
 
     Returns (tokens (B, n + steps), scores (B,)): the best hypothesis of each row, eos-padded after its
     eos as `generate` pads, and its s(Y). beam_size = 1 is greedy decoding.
@@ -76,7 +76,7 @@ def beam_search(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *, 
         tokens = torch.cat((tokens[rows], token.reshape(-1, 1)), dim=1)
         if caches is not None:
             for cache in caches:
-                cache.reorder(rows)
+                cache.reorder(rows, group_size=k)  # every row stays among its prompt's k beams
         if bool(finished.all()):
             break
     top = scores.argmax(dim=-1)  # (B,)

@@ -16,13 +16,14 @@ are not cached yet.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from .. import _checks
-from .sampling import check_sampling, sample_next
+from .sampling import check_sampling, draw_next, raise_if_undefined
 
 
 class IncrementalDecoder(Protocol):
@@ -70,14 +71,22 @@ def iter_generate(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *
             cached_until = length
         else:
             logits = model(tokens[:, start:length])[0][:, -1]
-        next_tokens = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  generator=generator)
-        if eos_id is not None:
+        next_tokens, undefined = draw_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           generator=generator)
+        if eos_id is None:
+            raise_if_undefined(undefined)
+        else:
             next_tokens = next_tokens.masked_fill(finished, eos_id)
             finished |= next_tokens == eos_id
+            if undefined is None:
+                all_finished = bool(finished.all())
+            else:  # one host read per token for both questions: a row without a distribution, all done
+                any_undefined, all_finished = torch.stack((undefined.any(), finished.all())).tolist()
+                if any_undefined:
+                    raise_if_undefined(undefined)
         tokens = torch.cat((tokens, next_tokens.unsqueeze(1)), dim=1)
         yield next_tokens, logits
-        if eos_id is not None and bool(finished.all()):
+        if eos_id is not None and all_finished:
             return
 
 

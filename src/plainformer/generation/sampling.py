@@ -33,21 +33,52 @@ def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None =
     """
     _checks.check_tensor("logits", logits, ndim=2, shape_doc="(B, V)")
     check_sampling(temperature, top_k, top_p)
+    tokens, undefined = draw_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  generator=generator)
+    raise_if_undefined(undefined)
+    return tokens
+
+
+def draw_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
+              generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """`sample_next` without its check and its host sync, for the decoding loop, which reads the
+    returned flags (B,) bool, True where a row had no distribution, together with its own; None
+    for greedy decoding (argmax needs no distribution, and so no sync). Arguments are checked by
+    the caller."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), None
     logits = logits.float() / temperature
     undefined = (logits.isnan() | (logits == math.inf)).any(-1) | (logits == -math.inf).all(-1)  # (B,)
-    if undefined.any():
-        rows = undefined.nonzero().flatten().tolist()
-        raise ValueError(f"logits rows {rows[:5]} hold NaN or +inf, or only -inf: there is no "
-                         "distribution to sample from")
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p is not None and top_p < 1.0:
         logits = _nucleus(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _categorical(torch.softmax(logits, dim=-1), generator), undefined
+
+
+def raise_if_undefined(undefined: Tensor | None) -> None:
+    """ValueError naming the rows flagged by `draw_next` (one host read unless None)."""
+    if undefined is not None and undefined.any():
+        raise _undefined_rows(undefined)
+
+
+def _undefined_rows(undefined: Tensor) -> ValueError:
+    rows = undefined.nonzero().flatten().tolist()
+    return ValueError(f"logits rows {rows[:5]} hold NaN or +inf, or only -inf: there is no "
+                      "distribution to sample from")
+
+
+def _categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row of probs (B, V): argmax_i p_i / E_i with E_i ~ Exp(1) independent.
+
+    E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is the j-th with probability
+    p_j / Σ p (the exponential race), so this is a categorical draw. Why not torch.multinomial: it
+    validates its input with host syncs on every call, a stall per token on a GPU. Tokens with p = 0
+    never win (their ratio is set to 0 rather than 0 / E).
+    """
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.where(probs > 0, probs / race, 0.0).argmax(dim=-1)
 
 
 def _nucleus(logits: Tensor, top_p: float) -> Tensor:

@@ -9,8 +9,8 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from safetensors import SafetensorError
 
@@ -27,7 +27,7 @@ class DiskFullError(OSError):
         self.filename = None  # already in the message; OSError would append it once more
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -34,8 +34,9 @@ import random
 import shutil
 import uuid
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +46,8 @@ from torch import Tensor, nn
 
 from ..config import Config
 from .atomic import reporting_full_disk
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 FORMAT_VERSION = 1
 
@@ -216,9 +219,9 @@ def capture_rng_state(cuda_devices: Sequence[int] | None = None) -> tuple[dict[s
         for i in range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices:
             tensors[f"torch_cuda_{i}"] = torch.cuda.get_rng_state(i)
     version, internal, gauss_next = random.getstate()
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     return tensors, {"python": [version, list(internal), gauss_next],
-                     "numpy": [name, keys.tolist(), pos, has_gauss, cached_gaussian]}
+                     "numpy": [name, np.asarray(keys).tolist(), pos, has_gauss, cached_gaussian]}
 
 
 def _sha256(path: Path) -> str:
@@ -299,7 +302,7 @@ class Checkpoint:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{self.path / CONFIG}: '{part}' does not fit {config_cls.__name__}: {e}") from None
 
-    def restore_model(self, model: nn.Module, *, prefix: str = "") -> nn.Module:
+    def restore_model(self, model: ModuleT, *, prefix: str = "") -> ModuleT:
         """Load the weights into `model`, checked by `model_state_dict`."""
         try:
             model.load_state_dict(self.model_state_dict(model, prefix=prefix))
@@ -418,18 +421,19 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
                       trainer_state=trainer_state, format_version=config["format_version"])
 
 
-def load_model(directory: str | os.PathLike, model_cls: type[nn.Module], config_cls: type,
-               *, map_location: str | torch.device = "cpu") -> nn.Module:
+def load_model(directory: str | os.PathLike, model_cls: type[ModuleT], config_cls: type[Config],
+               *, map_location: str | torch.device = "cpu") -> ModuleT:
     """A trained `model_cls` (checked against its `family`) built from the saved `config_cls` and
     weights, in eval mode, with the saved tokenizer (if any) as `.tokenizer`."""
     checkpoint = load_checkpoint(directory)
-    if checkpoint.family != model_cls.family:
+    family = model_cls.family  # type: ignore[attr-defined]  # a class attribute of every model family
+    if checkpoint.family != family:
         raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
-                              f"not a {model_cls.__name__} ({model_cls.family!r})")
+                              f"not a {model_cls.__name__} ({family!r})")
     model = model_cls(checkpoint.config(config_cls))
     checkpoint.restore_model(model)
     model.to(map_location)
-    model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+    model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None  # type: ignore[assignment]
     return model.eval()
 
 
@@ -552,7 +556,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids) or len(set(ids)) != len(ids):
         raise CheckpointError(f"{file}: the 'params' of the param groups must be distinct integers")
     groups = []
-    for number, (group, ours) in enumerate(zip(saved, current)):
+    for number, (group, ours) in enumerate(zip(saved, current, strict=True)):
         values = {"params": group["params"]}
         for key, value in ours.items():
             if key in _IMPLEMENTATION_FLAGS:
@@ -561,7 +565,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
                 values[key] = _hyperparameter(f"{file}: param group {number}, {key!r}",
                                               group.get(key, value), value)
         groups.append(values)
-    return groups, dict(zip(ids, (p for c in current for p in c["params"])))
+    return groups, dict(zip(ids, (p for c in current for p in c["params"]), strict=True))
 
 
 def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:
@@ -610,8 +614,8 @@ def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: An
                                   "names to numbers for one of the optimizer's parameters")
         state.setdefault(int(index), {}).update(scalars)
     if adam:
-        for index, values in state.items():
+        for number, values in state.items():
             if set(values) - {"max_exp_avg_sq"} != _ADAM_STATE:
-                raise CheckpointError(f"{file}: the state of parameter {index} holds {sorted(values)}; "
+                raise CheckpointError(f"{file}: the state of parameter {number} holds {sorted(values)}; "
                                       f"Adam keeps {sorted(_ADAM_STATE)}")
     return state

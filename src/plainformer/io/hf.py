@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,7 +105,7 @@ def _gpt2_config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     activation = hf.get("activation_function", "gelu_new")
-    ours = {"gelu": "gelu", "relu": "relu", **{alias: "gelu_tanh" for alias in _GPT2_TANH_ALIASES}}
+    ours = {"gelu": "gelu", "relu": "relu", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
     if activation not in ours:
         raise ValueError(f"activation_function={activation!r} is not supported; expected one of "
                          f"{', '.join(map(repr, ours))}")
@@ -243,6 +244,7 @@ def weight_map(config: GPTConfig, layout: Layout | None = None) -> list[Weight]:
     weights = []
     for hf, ours, kind in entries:
         ours = (ours,) if isinstance(ours, str) else ours
+        tensors: tuple[str, ...]
         if kind == LINEAR and hf == HEAD:
             tensors = ("weight",)  # the output projection never has a bias
         elif kind == EMBEDDING or (kind == NORM and config.norm == "rmsnorm"):
@@ -276,10 +278,10 @@ def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
         if names:
             raise ValueError(f"{problem} weights for a {config.n_layers}-layer {layout.architecture}: "
                              f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
-    state = {}
+    state: dict[str, Tensor] = {}
     for w in weights:
         tensor = hf_state[w.hf].T if w.transpose else hf_state[w.hf]
-        state.update(zip(w.ours, tensor.chunk(len(w.ours))))
+        state.update(zip(w.ours, tensor.chunk(len(w.ours)), strict=True))
     if config.tie_weights:
         state[f"{HEAD}.weight"] = state["token_embedding.weight"]
     return state
@@ -383,6 +385,7 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
     the directory has one) as `.tokenizer`."""
     directory = Path(directory)
     hf = read_hf_config(directory)
+    model: GPT | BertModel
     if hf.get("model_type") == "bert":
         model = load_hf_bert(directory, backend=backend)
     else:
@@ -394,7 +397,7 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
         except RuntimeError as e:
             raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
         model.eval()
-    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))
+    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))  # type: ignore[assignment]
     return model
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..io.atomic import atomic_path
 from ..nn.attention import MultiHeadAttention
+from ..nn.modes import eval_mode
 from .bert import BertModel
 from .gpt import GPT
 from .transformer import Transformer
@@ -61,8 +63,9 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
     (n,) -> the decoder's cross-attention, (L, H, n, m).
     """
     idx = _one_sequence("idx", idx)
-    if isinstance(getattr(model, "bert", None), BertModel):
-        model = model.bert
+    bert = getattr(model, "bert", None)
+    if isinstance(bert, BertModel):
+        model = bert
     if isinstance(model, Transformer):
         if tgt is None:
             raise ValueError("tgt (the decoder's input ids) is required for a Transformer's cross-attention")
@@ -76,13 +79,9 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
         call = lambda: model(idx)  # noqa: E731
     else:
         raise TypeError(f"model must be a GPT, a BERT or a Transformer, got {type(model).__name__}")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), recorded_attention(modules) as weights:
-            call()
-    finally:
-        model.train(was_training)
+    attentions = cast(list[MultiHeadAttention], modules)  # the layers' self_attn / cross_attn
+    with eval_mode(model), torch.no_grad(), recorded_attention(attentions) as weights:
+        call()
     return torch.stack(weights)[:, 0].float()  # (L, H, n, m)
 
 

@@ -15,7 +15,8 @@ Initialisation follows BERT: N(0, init_std) weights, zero biases, LayerNorm (1, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from ..config import Config
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.feedforward import ACTIVATIONS
+from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
 
 IGNORE_INDEX = -100
@@ -100,8 +102,11 @@ class BertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        x = self.position(self.word(input_ids)) + self.token_type(token_type_ids)  # (B, n, d_model)
-        return self.dropout(self.norm(x))
+        """Ids outside the tables are explained by `_checks.lookup_token_ids`, at no cost otherwise."""
+        words = _checks.lookup_token_ids("input_ids", input_ids, self.word.num_embeddings, self.word)
+        types = _checks.lookup_token_ids("token_type_ids", token_type_ids, self.token_type.num_embeddings,
+                                         self.token_type)
+        return self.dropout(self.norm(self.position(words) + types))  # (B, n, d_model)
 
 
 class BertPooler(nn.Module):
@@ -160,21 +165,24 @@ class BertModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> BertOutput:
         key_padding_mask, token_type_ids = self._check_inputs(input_ids, attention_mask, token_type_ids)
+        n = input_ids.shape[1]
+        mask = AttentionMask.build(n, n, key_padding_mask=key_padding_mask, device=input_ids.device)
         x = self.embeddings(input_ids, token_type_ids)  # (B, n, d_model)
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask)
+            x = layer(x, mask)
         return BertOutput(x, self.pooler(x))
 
     def _check_inputs(self, input_ids: Tensor, attention_mask: Tensor | None,
                       token_type_ids: Tensor | None) -> tuple[Tensor | None, Tensor]:
-        """Validated (key padding mask (B, n) bool or None, token types (B, n))."""
+        """Validated (key padding mask (B, n) bool or None, token types (B, n)): shapes and dtypes,
+        no value is read (the embeddings explain ids out of range)."""
         config = self.config
-        _checks.check_token_ids("input_ids", input_ids, config.vocab_size)
+        _checks.check_token_id_tensor("input_ids", input_ids)
         _checks.check_max_len("input_ids", input_ids.shape[1], config.max_len)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         else:
-            _checks.check_token_ids("token_type_ids", token_type_ids, config.type_vocab_size)
+            _checks.check_token_id_tensor("token_type_ids", token_type_ids)
             _check_same_shape("token_type_ids", token_type_ids, input_ids)
         if attention_mask is None:
             mask = None if config.pad_id is None else input_ids != config.pad_id
@@ -266,10 +274,14 @@ class BertForSequenceClassification(nn.Module):
                 token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if labels is not None:
-            _checks.check_token_ids("labels", labels, self.config.n_labels, ndim=1, shape_doc="(B,)")
+            _checks.check_token_id_tensor("labels", labels, ndim=1, shape_doc="(B,)")
             if labels.shape[0] != input_ids.shape[0]:
                 raise ValueError(f"labels must hold one class per sequence ({input_ids.shape[0]}), "
                                  f"got shape {tuple(labels.shape)}")
         pooled = self.bert(input_ids, attention_mask, token_type_ids).pooler_output
         logits = self.classifier(self.dropout(pooled))  # (B, n_labels)
-        return logits, None if labels is None else F.cross_entropy(logits.float(), labels)
+        if labels is None:
+            return logits, None
+        loss = _checks.lookup_token_ids("labels", labels, self.config.n_labels,
+                                        lambda classes: F.cross_entropy(logits.float(), classes))
+        return logits, loss

@@ -6,6 +6,9 @@
     loss = cross_entropy(logits, targets)              next-token prediction
 
 Each block is the pre-LN `EncoderLayer` with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
+With n_experts > 0 the FFN of every moe_every-th block after the first first_dense_layers is a
+Mixture-of-Experts layer (`nn.moe`), and the training loss adds its balancing terms averaged over
+those layers: loss = CE + aux_loss_coef · mean_l L_aux + z_loss_coef · mean_l L_z (in eval, CE only).
 With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
@@ -13,11 +16,11 @@ residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +28,16 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..config import Config
+from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
-from ..nn.feedforward import ACTIVATIONS
+from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
+from ..nn.masks import AttentionMask
+from ..nn.modes import eval_mode
+from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
@@ -58,6 +65,16 @@ class GPTConfig(Config):
     backend: str = "auto"
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    capacity_factor: float | None = None
+    bias_update_rate: float = 0.0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
@@ -71,6 +88,9 @@ class GPTConfig(Config):
         # The best model found for ~5 minutes on 2 CPU cores: see README, "Choosing the default".
         "default": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=688, dropout=0.0,
                         pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
+        # "default" with 8 SwiGLU experts of half its width, top-2: the same active FFN size per token.
+        "moe": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=344, dropout=0.0,
+                    pos_encoding="rope", norm="rmsnorm", activation="swiglu", n_experts=8, top_k=2),
     }
 
     def validate(self) -> None:
@@ -93,6 +113,29 @@ class GPTConfig(Config):
                              f"got {self.d_model}/{self.n_heads}")
         if self.pos_encoding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        _checks.check_positive_int("top_k", self.top_k)
+        _checks.check_positive_int("moe_every", self.moe_every)
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k must be at most n_experts={self.n_experts}, got {self.top_k}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
+                self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
+            raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
+        return (self.n_experts > 0 and layer >= self.first_dense_layers
+                and (layer - self.first_dense_layers) % self.moe_every == 0)
 
     @property
     def head_dim(self) -> int:
@@ -119,17 +162,29 @@ class GPT(nn.Module):
             EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
                          activation=config.activation, norm_first=True, n_kv_heads=config.n_kv_heads,
                          norm=config.norm, norm_eps=config.norm_eps, bias=config.bias,
-                         backend=config.backend)
-            for _ in range(config.n_layers))
+                         backend=config.backend,
+                         ff=self._make_moe(config) if config.is_moe_layer(layer) else None)
+            for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in self.blocks:
+        for block in cast(Iterable[EncoderLayer], self.blocks):
             nn.init.normal_(block.self_attn.W_o.weight, std=residual_std)
-            nn.init.normal_(block.ff.W_2.weight, std=residual_std)
+            if isinstance(block.ff, MoEFeedForward):
+                nn.init.normal_(block.ff.W_2, std=residual_std)
+                if block.ff.shared is not None:
+                    nn.init.normal_(block.ff.shared.W_2.weight, std=residual_std)
+            else:
+                nn.init.normal_(cast(FeedForward, block.ff).W_2.weight, std=residual_std)
+
+    @staticmethod
+    def _make_moe(config: GPTConfig) -> MoEFeedForward:
+        return MoEFeedForward(config.d_model, config.d_ff, config.n_experts, config.top_k,
+                              n_shared_experts=config.n_shared_experts, capacity_factor=config.capacity_factor,
+                              bias_update_rate=config.bias_update_rate, dropout=config.dropout)
 
     @staticmethod
     def _make_position_encoding(config: GPTConfig) -> nn.Module | None:
@@ -145,6 +200,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, MoEFeedForward):
+            for weight in (module.W_1, module.W_3, module.W_2):
+                nn.init.normal_(weight, mean=0.0, std=0.02)
 
     @property
     def block_size(self) -> int:
@@ -179,23 +237,29 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        if self.training and self.config.n_experts:
+            aux, z = mean_router_losses(moe_layers(self))
+            loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
         return logits, loss
 
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> Tensor:
         """idx (B, n) -> h_L (B, n, d_model), the last block's output before the final norm."""
         offset = self._check_positions(idx, kv_caches)
-        x = self.token_embedding(idx)  # (B, n, d_model)
+        n = idx.shape[1]
+        x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
         if self.position is not None:
             x = self.position(x, offset=offset)
         x = self.dropout(x)
+        mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
         for layer, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[layer]
-            x = block(x, is_causal=True, rope=self.rope, kv_cache=cache)
+            x = block(x, mask, rope=self.rope, kv_cache=cache)
         return x
 
     def _check_positions(self, idx: Tensor, kv_caches: list[KVCache] | None) -> int:
-        """Validate idx and the caches; return the position of idx[:, 0]."""
-        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        """Validate idx's shape and dtype and the caches (no token id is read: see
+        `_checks.lookup_token_ids`); return the position of idx[:, 0]."""
+        _checks.check_token_id_tensor("idx", idx)
         offset = 0 if kv_caches is None else kv_caches[0].length
         if offset + idx.shape[1] > self.config.block_size:
             raise ValueError(f"idx has {idx.shape[1]} positions after {offset} cached ones, more than "
@@ -215,7 +279,7 @@ class GPT(nn.Module):
                         dtype=parameter.dtype, device=parameter.device)
                 for _ in range(self.config.n_layers)]
 
-    def decoder(self) -> "GPTDecoder":
+    def decoder(self) -> GPTDecoder:
         """This model as `generation.iter_generate` drives it fastest (see `GPTDecoder`)."""
         return GPTDecoder(self)
 
@@ -225,63 +289,17 @@ class GPT(nn.Module):
         """Extend prompts idx (B, n) by max_new_tokens sampled tokens -> (B, n + max_new_tokens).
 
         temperature 0 is greedy decoding. Past block_size the context slides (see `generation`).
+        The prompt's ids are checked once here; the decoding steps check nothing that needs a sync.
         """
-        was_training = self.training
-        self.eval()
-        try:
-            with torch.inference_mode():  # why: no autograd bookkeeping at all, unlike no_grad
-                return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
-                                       top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
-        finally:
-            self.train(was_training)
+        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        # why inference_mode: no autograd bookkeeping at all, unlike no_grad
+        with eval_mode(self), torch.inference_mode():
+            return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
 
     # ------------------------------------------------------------------ checkpoints
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "GPT":
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> GPT:
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
         return load_model(directory, cls, GPTConfig, map_location=map_location)
-
-
-class GPTDecoder:
-    """A GPT as `generation` drives it: model(idx, kv_caches) -> (logits (B, 1, V), None), the logits
-    of the last position only, which is all that sampling reads. Two layouts make decoding faster
-    on CPU, where one token reads every weight once and memory bandwidth sets the pace:
-
-    - fp32: the output projection x Eᵀ uses a copy of E (V, d_model) laid out as Eᵀ (d_model, V),
-      made once per decoder and freed with it. For one row, MKL streams GPT-2's 154 MB output weight
-      at ~21 GB/s in that layout against ~12 GB/s from (V, d_model) (one core).
-    - bf16: a step of a single row (batch 1) runs its matmuls with ATen's own bf16 matrix-vector
-      kernel instead of oneDNN's (`_aten_bf16_matmuls`), about twice as fast for one row.
-    """
-
-    def __init__(self, model: GPT):
-        self.model = model
-        self.block_size = model.block_size
-        weight = model.lm_head.weight.detach()
-        self.output_weight_t = weight.t().contiguous() if weight.dtype == torch.float32 else weight.t()
-
-    def new_kv_caches(self, batch_size: int) -> list[KVCache]:
-        return self.model.new_kv_caches(batch_size)
-
-    def __call__(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> tuple[Tensor, None]:
-        single_row = idx.numel() == 1 and self.output_weight_t.dtype == torch.bfloat16
-        with _aten_bf16_matmuls() if single_row else contextlib.nullcontext():
-            last = self.model.hidden_states(idx, kv_caches=kv_caches)[:, -1:]  # (B, 1, d_model)
-            return self.model.norm(last) @ self.output_weight_t, None  # (B, 1, V)
-
-
-@contextlib.contextmanager
-def _aten_bf16_matmuls() -> Iterator[None]:
-    """Route matmuls to ATen's kernels instead of oneDNN while it lasts (a process-wide switch).
-
-    Why: for a single row, ATen's bf16 matrix-vector kernel (fp32 accumulation) streams the weights at
-    about twice oneDNN's rate here (GPT-2 bf16 greedy decoding at batch 1: 48 instead of 22 tokens/s
-    on one core). With more rows oneDNN's bf16 matmul is much faster, so it is left on for those.
-    """
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +150,7 @@ class SentenceEncoder(nn.Module):
         on GPU); None computes in the weights' own dtype.
         """
         single = isinstance(sentences, str)
-        texts = [sentences] if single else _check_sentences(sentences)
+        texts = [sentences] if isinstance(sentences, str) else _check_sentences(sentences)
         _checks.check_positive_int("batch_size", batch_size)
         ids = self.tokenize(texts)
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))

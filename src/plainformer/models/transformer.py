@@ -19,8 +19,9 @@ Decoding (section 6.1) binds the encoder memory of the sources to the decoder (`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +30,14 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
 from ..config import Config
+from ..generation.adapters import SourceBoundDecoder
 from ..generation.beam_search import beam_search
 from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.feedforward import ACTIVATIONS
+from ..nn.modes import eval_mode
 
 EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
 
@@ -138,9 +141,9 @@ class Transformer(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
-        shape = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
+        shape: dict[str, Any] = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
                      max_len=config.max_len)
-        options = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
+        options: dict[str, Any] = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
                        norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend)
         self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **shape, **options)
         self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **shape, **options)
@@ -170,7 +173,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, m) -> (memory (B, m, d_model), source padding mask (B, m), True = real token)."""
-        _checks.check_token_ids("src", src, self.config.src_vocab_size)
+        _checks.check_token_id_tensor("src", src)
         mask = src != self.config.pad_id
         return self.encoder(src, key_padding_mask=mask), mask
 
@@ -217,12 +220,12 @@ class Transformer(nn.Module):
 
         beam_size 1 is greedy decoding; otherwise beam search with length penalty α = length_penalty.
         By default row b stops after (its source length + 50) tokens (at most max_len).
+        The source ids are checked once here; the decoding steps check nothing that needs a sync.
         """
         _checks.check_positive_int("beam_size", beam_size)
         _checks.check_non_negative_number("length_penalty", length_penalty)  # greedy too: one rule
-        was_training = self.training
-        self.eval()
-        try:
+        _checks.check_token_ids("src", src, self.config.src_vocab_size)
+        with eval_mode(self):
             limits = (src != self.config.pad_id).sum(dim=1) + EXTRA_OUTPUT_TOKENS  # (B,)
             steps = min(int(limits.max()), self.config.max_len) if max_new_tokens is None else max_new_tokens
             # The last token is predicted from `steps` positions: caches that long, no longer.
@@ -234,8 +237,6 @@ class Transformer(nn.Module):
             else:
                 tokens, _ = beam_search(bound, bos, steps, beam_size=beam_size, length_penalty=length_penalty,
                                         eos_id=self.config.eos_id, use_cache=use_cache)
-        finally:
-            self.train(was_training)
         if max_new_tokens is None:
             position = torch.arange(tokens.shape[1], device=tokens.device)  # BOS is position 0
             tokens = tokens.masked_fill(position > limits.unsqueeze(1), self.config.eos_id)
@@ -260,55 +261,13 @@ class Transformer(nn.Module):
             chunk = order[start:start + batch_size]
             src = pad_sequence([encoded[i] for i in chunk], batch_first=True, padding_value=self.config.pad_id)
             for i, row in zip(chunk, self.generate(src.to(device), beam_size=beam_size,
-                                                   length_penalty=length_penalty)):
+                                                   length_penalty=length_penalty), strict=True):
                 translations[i] = tokenizer.decode(row[1:])
         return translations
 
     # ------------------------------------------------------------------ checkpoints
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> "Transformer":
+    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> Transformer:
         """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
         return load_model(directory, cls, TransformerConfig, map_location=map_location)
-
-
-class SourceBoundDecoder:
-    """The decoder with the encoder memory of B sources bound: a next-token model over target
-    prefixes, as `generation.generate` and `generation.beam_search` expect.
-
-    It accepts any multiple r·B of rows: rows b·r .. b·r + r − 1 all translate source b (beams).
-    `new_kv_caches` projects the memory's cross-attention keys/values once, for all decoding steps.
-    """
-
-    def __init__(self, model: Transformer, memory: Tensor, memory_key_padding_mask: Tensor, block_size: int):
-        _checks.check_positive_int("max_len", block_size)
-        if block_size > model.config.max_len:
-            raise ValueError(f"max_len must be at most the model's max_len={model.config.max_len}, "
-                             f"got {block_size}")
-        self.model = model
-        self.memory, self.memory_key_padding_mask = memory, memory_key_padding_mask
-        self.block_size = block_size
-        self._expanded: tuple[int, Tensor, Tensor] | None = None
-
-    def _repeats(self, rows: int) -> int:
-        sources = self.memory.shape[0]
-        if rows % sources:
-            raise ValueError(f"a decoder bound to {sources} sources takes a multiple of {sources} rows, "
-                             f"got {rows}")
-        return rows // sources
-
-    def _memory_for(self, rows: int) -> tuple[Tensor, Tensor]:
-        """The memory and its mask with each source repeated for its rows (computed once per size)."""
-        repeats = self._repeats(rows)
-        if self._expanded is None or self._expanded[0] != repeats:
-            self._expanded = (repeats, self.memory.repeat_interleave(repeats, dim=0),
-                              self.memory_key_padding_mask.repeat_interleave(repeats, dim=0))
-        return self._expanded[1], self._expanded[2]
-
-    def new_kv_caches(self, batch_size: int) -> list[DecoderCache]:
-        return self.model.decoder.new_kv_caches(self.memory, self.block_size,
-                                                repeats=self._repeats(batch_size))
-
-    def __call__(self, idx: Tensor, *, kv_caches: list[DecoderCache] | None = None) -> tuple[Tensor, None]:
-        memory, mask = self._memory_for(idx.shape[0])
-        return self.model.decode(idx, memory, mask, kv_caches=kv_caches), None

@@ -3,17 +3,22 @@
 Nothing here imports anything above it in the package (models, data, training, io, cli).
 """
 
-from .attention import MultiHeadAttention, attention, causal_mask, scaled_dot_product_attention
+from .attention import MultiHeadAttention, attention, scaled_dot_product_attention
 from .blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
 from .feedforward import FeedForward
 from .flash import flash_attention
 from .kv_cache import KVCache
+from .linear import Linear
+from .masks import AttentionMask, causal_mask
+from .modes import eval_mode
+from .moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .normalization import RMSNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .rope import RotaryEmbedding
 
 __all__ = [
-    "Decoder", "DecoderCache", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "KVCache",
-    "LearnedPositionalEmbedding", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
-    "SinusoidalPositionalEncoding", "attention", "causal_mask", "flash_attention", "scaled_dot_product_attention",
+    "AttentionMask", "Decoder", "DecoderCache", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "KVCache",
+    "LearnedPositionalEmbedding", "Linear", "MoEFeedForward", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
+    "SinusoidalPositionalEncoding", "attention", "causal_mask", "eval_mode", "flash_attention",
+    "load_balancing_loss", "router_z_loss", "scaled_dot_product_attention",
 ]

@@ -9,6 +9,7 @@ Masks follow `torch.nn.functional.scaled_dot_product_attention`: a boolean mask 
 may attend a key, a float mask is added to the scores, and either broadcasts to (..., n, m).
 `is_causal=True` lets query i see keys j <= i, aligned at the top-left corner as in torch, also when
 n != m. A query whose keys are all masked gets a zero output row and zero weights, never NaN.
+Inside the layers the masks travel as one `AttentionMask` (see `masks`), combined once per batch.
 
 Grouped-query attention (Ainslie et al. 2023): keys and values may carry H_kv heads where H_kv divides
 the H query heads; query head h reads key/value head h // (H / H_kv).
@@ -16,14 +17,18 @@ the H query heads; query head h reads key/value head h // (H / H_kv).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
+from .linear import Linear
+from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
+from .masks import causal_mask as causal_mask  # re-exported: it was defined here
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -57,22 +62,6 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"and k {tuple(k.shape)}")
 
 
-def _check_mask(mask: Tensor | None, scores_shape: tuple[int, ...], device: torch.device,
-                scores_doc: str = "(..., n, m)") -> None:
-    if mask is None:
-        return
-    _checks.check_tensor("mask", mask)
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"mask must be boolean (True = may attend) or an additive float mask, "
-                        f"got dtype {mask.dtype}")
-    if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but the inputs are on {device}")
-    _checks.check_broadcastable("mask", mask, scores_shape, scores_doc)
-    if mask.dim() > len(scores_shape):
-        raise ValueError(f"mask has {mask.dim()} dimensions, more than the scores {scores_doc} "
-                         f"of shape {scores_shape}")
-
-
 def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
     return (*q.shape[:-1], k.shape[-2])
 
@@ -84,31 +73,7 @@ def _check_options(dropout_p: float, scale: float | None) -> None:
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
 
 
-# ----------------------------------------------------------------------------- masks
-
-def causal_mask(n: int, m: int, *, offset: int = 0, device: torch.device | str | None = None) -> Tensor:
-    """Boolean (n, m) mask, True where query i may attend key j, i.e. j <= i + offset.
-
-    offset = 0 is torch's top-left convention; offset = m - n aligns the last query with the last key,
-    which is what decoding with a KV cache of m - n past positions needs.
-    """
-    _checks.check_positive_int("n", n)
-    _checks.check_positive_int("m", m)
-    rows = torch.arange(n, device=device).unsqueeze(1)
-    cols = torch.arange(m, device=device).unsqueeze(0)
-    return cols <= rows + offset
-
-
-def _combined_mask(mask: Tensor | None, is_causal: bool, n: int, m: int, dtype: torch.dtype,
-                   device: torch.device) -> Tensor | None:
-    """One mask from the user's mask and the causal flag; float masks are cast to the scores' dtype."""
-    if mask is not None and mask.is_floating_point():
-        mask = mask.to(dtype)
-    if not is_causal:
-        return mask
-    causal = causal_mask(n, m, device=device)
-    return causal if mask is None else _and_masks(mask, causal)
-
+# ----------------------------------------------------------------------------- heads
 
 def _expand_kv_heads(q: Tensor, x: Tensor) -> Tensor:
     """(..., H_kv, m, d) -> (..., H, m, d) by repeating each key/value head H / H_kv times."""
@@ -141,26 +106,23 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     Returns (output (..., n, d_v), weights (..., n, m)); the weights are those applied to V, so
     after dropout when dropout_p > 0. Rows with every key masked give zeros.
     """
-    _check_qkv(q, k, v)
-    _check_mask(mask, _scores_shape(q, k), q.device)
-    _check_options(dropout_p, scale)
-    return _math_attention(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale)
+    return _math_attention(q, k, v, masks, dropout_p=dropout_p, scale=scale)
 
 
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-                    is_causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dropout_p: float,
+                    scale: float | None) -> tuple[Tensor, Tensor]:
     k, v = _expand_kv_heads(q, k), _expand_kv_heads(q, v)
-    n, m = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # why: scaling q costs d/m of scaling the scores; masking in place saves a copy (autograd keeps
     # q and k for the matmul's backward, not its output)
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m)
-    every_row_sees_a_key = mask is None  # also when causal: query i sees key 0
-    mask = _combined_mask(mask, is_causal, n, m, scores.dtype, scores.device)
-    if mask is not None:
-        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    # why: torch's softmax is one fused kernel; the guarded one is needed only for all-masked rows
-    weights = torch.softmax(scores, dim=-1) if every_row_sees_a_key else _masked_softmax(scores)
+    dense = mask.dense_for(scores.dtype)
+    if dense is not None:
+        scores = scores.masked_fill_(~dense, float("-inf")) if dense.dtype == torch.bool else scores + dense
+    # why: torch's softmax is one fused kernel; the guarded one is needed only where a row may see
+    # no key, which causality alone never causes (query i sees key 0)
+    weights = torch.softmax(scores, dim=-1) if mask.only_causal else _masked_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights  # (..., n, d_v), (..., n, m)
@@ -168,16 +130,100 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dro
 
 # ----------------------------------------------------------------------------- fused paths
 
-def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-                    is_causal: bool, scale: float | None) -> Tensor:
-    """torch's fused kernel; it already zeroes fully masked rows. It refuses mask + is_causal, so
-    those are combined first."""
-    if mask is not None:
-        mask = _combined_mask(mask, is_causal, q.shape[-2], k.shape[-2], q.dtype, q.device)
-        is_causal = False
+def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dropout_p: float,
+                    scale: float | None) -> Tensor:
+    """torch's fused kernel; it already zeroes fully masked rows. It refuses a mask with is_causal,
+    so anything beyond causality goes in as the dense mask."""
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if mask.only_causal:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal,
+                                              scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense_for(q.dtype), dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dropout_p: float,
+                     scale: float | None) -> Tensor:
+    from .flash import flash_attention
+
+    if dropout_p > 0.0:
+        raise ValueError("backend='flash' does not apply attention dropout; use dropout_p=0 "
+                         "or backend='sdpa'")
+    if q.dim() != 4:
+        raise ValueError(f"backend='flash' needs q, k, v of shape (B, H, n, d), got q {tuple(q.shape)}")
+    if mask.attn_mask is not None:
+        raise ValueError(f"backend='flash' takes only key-padding masks (boolean, broadcastable "
+                         f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
+                         f"{mask.attn_mask.dtype}")
+    out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale)
+    return cast(Tensor, out)  # without return_lse, the output alone
+
+
+def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dropout_p: float) -> str:
+    """The exact path `backend="auto"` takes.
+
+    torch's fused kernel (sdpa) is the fastest exact path on CPU for fp32 and for long bf16 inputs, so
+    auto picks it, except for bf16 with several queries and at most 512 keys (training a small GPT):
+    there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
+    n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
+    On CUDA with a key-padding (or no) mask and no dropout, our Triton FlashAttention is used when
+    triton is installed; otherwise sdpa again.
+    """
+    if backend != "auto":
+        return backend
+    if (q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and mask.attn_mask is None
+            and _triton_available()):
+        return "flash"
+    if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
+        return "math"
+    return "sdpa"
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, backend: str,
+               dropout_p: float, scale: float | None) -> Tensor:
+    """softmax(Q Kᵀ · scale + mask) V on the backend `resolve_backend` picks; nothing is checked."""
+    backend = resolve_backend(backend, q, k, mask, dropout_p)
+    if backend == "math":
+        return _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)[0]
+    if backend == "sdpa":
+        return _sdpa_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)
+    return _flash_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, is_causal: bool = False,
+              backend: str = "auto", dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """softmax(Q Kᵀ · scale + mask) V without returning the weights, so fused kernels may be used.
+
+    Same shapes and mask semantics as `scaled_dot_product_attention`; backend is "math" (ours,
+    step by step), "sdpa" (torch's fused kernel), "flash" (ours, O(n) memory; key-padding masks
+    only) or "auto" (see `resolve_backend`).
+    """
+    _checks.check_choice("backend", backend, BACKENDS)
+    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale)
+    return _attention(q, k, v, masks, backend=backend, dropout_p=dropout_p, scale=scale)
+
+
+def _checked_masks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                   dropout_p: float, scale: float | None) -> AttentionMask:
+    """Validate the functional API's arguments; its one mask as an `AttentionMask`."""
+    _check_qkv(q, k, v)
+    if mask is not None:
+        check_mask_tensor("mask", mask, _scores_shape(q, k), q.device)
+    _check_options(dropout_p, scale)
+    n, m = q.shape[-2], k.shape[-2]
+    key_padding = None if mask is None else _key_padding_from_mask(mask, q, k)
+    if key_padding is not None:
+        return AttentionMask.build(n, m, is_causal=is_causal, key_padding_mask=key_padding, device=q.device)
+    return AttentionMask.build(n, m, is_causal=is_causal, attn_mask=mask, device=q.device)
 
 
 def _key_padding_from_mask(mask: Tensor, q: Tensor, k: Tensor) -> Tensor | None:
@@ -193,83 +239,20 @@ def _key_padding_from_mask(mask: Tensor, q: Tensor, k: Tensor) -> Tensor | None:
     return mask.reshape(shape[0], shape[3]).expand(q.shape[0], k.shape[-2])
 
 
-def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-                     is_causal: bool, scale: float | None) -> Tensor:
-    from .flash import flash_attention
-
-    if dropout_p > 0.0:
-        raise ValueError("backend='flash' does not apply attention dropout; use dropout_p=0 "
-                         "or backend='sdpa'")
-    if q.dim() != 4:
-        raise ValueError(f"backend='flash' needs q, k, v of shape (B, H, n, d), got q {tuple(q.shape)}")
-    key_padding_mask = None
-    if mask is not None:
-        key_padding_mask = _key_padding_from_mask(mask, q, k)
-        if key_padding_mask is None:
-            raise ValueError(f"backend='flash' takes only key-padding masks (boolean, broadcastable "
-                             f"as (B, 1, 1, m)); got mask of shape {tuple(mask.shape)} and dtype "
-                             f"{mask.dtype}")
-    return flash_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, scale=scale)
-
-
-def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: Tensor | None, dropout_p: float) -> str:
-    """The exact path `backend="auto"` takes.
-
-    torch's fused kernel (sdpa) is the fastest exact path on CPU for fp32 and for long bf16 inputs, so
-    auto picks it, except for bf16 with several queries and at most 512 keys (training a small GPT):
-    there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
-    n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
-    On CUDA with a key-padding (or no) mask and no dropout, our Triton FlashAttention is used when
-    triton is installed; otherwise sdpa again.
-    """
-    _checks.check_choice("backend", backend, BACKENDS)
-    if backend != "auto":
-        return backend
-    if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and _triton_available() and (
-            mask is None or _key_padding_from_mask(mask, q, k) is not None):
-        return "flash"
-    if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
-        return "math"
-    return "sdpa"
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_BACKEND_FUNCTIONS = {"sdpa": _sdpa_attention, "flash": _flash_attention}
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, is_causal: bool = False,
-              backend: str = "auto", dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
-    """softmax(Q Kᵀ · scale + mask) V without returning the weights, so fused kernels may be used.
-
-    Same shapes and mask semantics as `scaled_dot_product_attention`; backend is "math" (ours,
-    step by step), "sdpa" (torch's fused kernel), "flash" (ours, O(n) memory; key-padding masks
-    only) or "auto" (see `resolve_backend`).
-    """
-    _check_qkv(q, k, v)
-    _check_mask(mask, _scores_shape(q, k), q.device)
-    _check_options(dropout_p, scale)
-    backend = resolve_backend(backend, q, k, mask, dropout_p)
-    if backend == "math":
-        return _math_attention(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)[0]
-    return _BACKEND_FUNCTIONS[backend](q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal,
-                                       scale=scale)
-
-
 # ----------------------------------------------------------------------------- multi-head
 
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O with head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
-    The h per-head projections are stored together as one `nn.Linear` each: `W_q` (d_model -> h·d_k),
+    The h per-head projections are stored together as one `Linear` (a torch.nn.Linear) each: `W_q` (d_model -> h·d_k),
     `W_k` and `W_v` (d_model -> h_kv·d_k), `W_o` (h·d_k -> d_model), with d_k = d_model / h.
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
+
+    `forward` checks its arguments and combines the masks, unless it is handed the batch's
+    `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
+    cross-attention over a memory projected on the spot), `attend_cached` (decoding: new positions
+    join a growing KV cache) or `attend_memory` (cross-attention over a memory projected once, a
+    static cache).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
@@ -286,10 +269,10 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.dropout, self.backend = dropout, backend
-        self.W_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
-        self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.W_q = Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.W_k = Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.W_v = Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.W_o = Linear(n_heads * self.head_dim, d_model, bias=bias)
 
     def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
         """(B, n, h·d_k) -> (B, h, n, d_k)."""
@@ -300,7 +283,7 @@ class MultiHeadAttention(nn.Module):
         """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each."""
         return self.split_heads(self.W_k(key), self.n_kv_heads), self.split_heads(self.W_v(value), self.n_kv_heads)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
                 need_weights: bool = False, rope: RotaryEmbedding | None = None,
                 kv_cache: KVCache | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -308,41 +291,85 @@ class MultiHeadAttention(nn.Module):
 
         mask: boolean (True = may attend) or additive float, of shape (n, m), (B, n, m) or
         broadcastable to (B, h, n, m). key_padding_mask: (B, m) boolean, True = real token.
+        Or mask is the batch's `AttentionMask` (what the layers pass): then nothing is checked, and
+        key_padding_mask and is_causal are left out, being in it already.
         need_weights: also return the per-head weights (B, h, n, m) (the math path is used).
         rope: rotary embedding applied to queries and keys at their absolute positions.
         kv_cache: keys/values of earlier positions (self-attention decoding) or of a fixed memory
-        (cross-attention); see `KVCache`. With a cache holding P positions, query i sits at
-        position P + i and sees every key up to it when is_causal.
+        (cross-attention, a static cache, filled from key and value on the first call); see
+        `KVCache`. With a cache holding P positions, query i sits at position P + i and sees every
+        key up to it when is_causal.
         """
-        self._check_inputs(query, key, value)
+        if not isinstance(mask, AttentionMask):
+            mask = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, rope=rope, kv_cache=kv_cache)
+        if kv_cache is None:
+            return self.attend(query, key, value, mask, rope=rope, need_weights=need_weights)
+        if kv_cache.static:
+            if kv_cache.length == 0:
+                kv_cache.append(*self.project_kv(key, value))
+            return self.attend_memory(query, kv_cache, mask, need_weights=need_weights)
+        return self.attend_cached(query, key, value, mask, kv_cache, rope=rope, need_weights=need_weights)
+
+    def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
+                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
+                 rope: RotaryEmbedding | None = None, kv_cache: KVCache | None = None) -> AttentionMask:
+        """Validate `forward`'s arguments (shapes, dtypes, devices: nothing is read from a tensor)
+        and combine the masks into the `AttentionMask` the three paths take."""
+        self._check_inputs(query, key, value, rope, kv_cache)
+        cached, m = 0, key.shape[1]  # m: the keys attended, cached ones included
+        if kv_cache is not None and kv_cache.static:
+            m = kv_cache.length or m  # a filled memory cache is used as it is
+        elif kv_cache is not None:
+            cached, m = kv_cache.length, kv_cache.length + m
+        batch, n = query.shape[:2]
+        attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
+                                key_padding_mask=key_padding_mask)
+        return AttentionMask.build(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
+                                   attn_mask=attn_mask, device=query.device)
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
+               rope: RotaryEmbedding | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """No cache: query (B, n, d_model) attends key/value (B, m, d_model), projected here."""
         q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
-        offset = 0 if kv_cache is None else kv_cache.length
-        if kv_cache is not None and kv_cache.static and kv_cache.length > 0:
-            k, v = kv_cache.keys(), kv_cache.values()  # (B, h_kv, m, d_k)
-            offset = 0
-        else:
-            k, v = self.project_kv(key, value)  # (B, h_kv, m, d_k)
-            if rope is not None:
-                k = rope(k, offset=offset)
-            if kv_cache is not None:
-                k, v = kv_cache.append(k, v)
+        k, v = self.project_kv(key, value)  # (B, h_kv, m, d_k)
         if rope is not None:
-            q = rope(q, offset=offset)
-        mask = self._attention_mask(mask, key_padding_mask, query, k)
-        if is_causal and offset > 0:
-            if q.shape[-2] > 1:  # a single newest query sees every key: no mask to build (decoding)
-                causal = causal_mask(q.shape[-2], k.shape[-2], offset=offset, device=q.device)
-                mask = causal if mask is None else _and_masks(mask, causal)
-            is_causal = False
+            q, k = rope(q), rope(k)
+        return self._attend(q, k, v, mask, need_weights)
+
+    def attend_cached(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask, cache: KVCache, *,
+                      rope: RotaryEmbedding | None = None,
+                      need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
+        to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
+        with cached=P)."""
+        q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
+        k, v = self.project_kv(key, value)  # (B, h_kv, n, d_k)
+        if rope is not None:
+            q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
+        k, v = cache.append(k, v)  # (B, h_kv, P + n, d_k)
+        return self._attend(q, k, v, mask, need_weights)
+
+    def attend_memory(self, query: Tensor, memory: KVCache, mask: AttentionMask = NO_MASK, *,
+                      need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Cross-attention over a memory whose keys and values were projected once (a static cache)."""
+        q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
+        return self._attend(q, memory.keys(), memory.values(), mask, need_weights)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+                need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """Attention per head, then Concat(head_1, ..., head_h) W^O: (B, h, n, d_k) -> (B, n, d_model)."""
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
-            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=None)
+            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None)
         else:
-            out = attention(q, k, v, mask, is_causal=is_causal, backend=self.backend, dropout_p=dropout_p)
-        out = self.W_o(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))  # (B, n, d_model)
+            out = _attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None)
+        batch, _, n, _ = q.shape
+        out = self.W_o(out.transpose(1, 2).reshape(batch, n, -1))  # (B, n, d_model)
         return (out, weights) if need_weights else out
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, rope: RotaryEmbedding | None,
+                      kv_cache: KVCache | None) -> None:
         for name, x in (("query", query), ("key", key), ("value", value)):
             _checks.check_tensor(name, x, ndim=3, shape_doc="(B, seq_len, d_model)")
             _checks.check_floating(name, x)
@@ -355,31 +382,16 @@ class MultiHeadAttention(nn.Module):
         if query.shape[0] != key.shape[0]:
             raise ValueError(f"query and key must have the same batch size, got query "
                              f"{tuple(query.shape)} and key {tuple(key.shape)}")
-
-    def _attention_mask(self, mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor,
-                        k: Tensor) -> Tensor | None:
-        """The user's masks as one mask broadcastable to (B, h, n, m)."""
-        batch, n, m = query.shape[0], query.shape[1], k.shape[-2]
-        if mask is not None:
-            _checks.check_tensor("mask", mask, ndim=(2, 3, 4), shape_doc="(n, m), (B, n, m) or (B, h, n, m)")
-            if mask.dim() == 3:
-                mask = mask.unsqueeze(1)  # (B, 1, n, m)
-            _check_mask(mask, (batch, self.n_heads, n, m), query.device, "(B, h, n, m)")
-        if key_padding_mask is not None:
-            _checks.check_tensor("key_padding_mask", key_padding_mask, ndim=2, shape_doc="(B, m)")
-            if key_padding_mask.dtype != torch.bool:
-                raise TypeError(f"key_padding_mask must be boolean (True = real token), "
-                                f"got dtype {key_padding_mask.dtype}")
-            if tuple(key_padding_mask.shape) != (batch, m):
-                raise ValueError(f"key_padding_mask must have shape (B, m) = {(batch, m)}, "
-                                 f"got {tuple(key_padding_mask.shape)}")
-            padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, m)
-            mask = padding if mask is None else _and_masks(mask, padding)
-        return mask
+        if kv_cache is not None and not (kv_cache.static and kv_cache.length):
+            kv_cache.check_fits("k", (key.shape[0], self.n_kv_heads, key.shape[1], self.head_dim))
+        if rope is not None:
+            check_rope(rope, self.head_dim, 0 if kv_cache is None or kv_cache.static else kv_cache.length,
+                       query.shape[1])
 
 
-def _and_masks(mask: Tensor, allowed: Tensor) -> Tensor:
-    """Restrict `mask` (boolean or additive) to the positions where boolean `allowed` is True."""
-    if mask.dtype == torch.bool:
-        return mask & allowed
-    return mask.masked_fill(~allowed, float("-inf"))
+def check_rope(rope: RotaryEmbedding, head_dim: int, offset: int, length: int) -> None:
+    """`rope` rotates heads of head_dim and has positions offset .. offset+length-1."""
+    if rope.head_dim != head_dim:
+        raise ValueError(f"rope has head_dim = {rope.head_dim} but the attention heads have "
+                         f"head_dim = {head_dim}")
+    _checks.check_positions("the rotated positions", offset, length, rope.max_len)

@@ -19,13 +19,18 @@ Pre-LN (norm_first=True) computes y = y + Dropout(Sublayer(LN(y))) for each of t
 ends with a LayerNorm. Decoding one position at a time keeps two caches per layer: the self-attention
 keys/values of the positions decoded so far, and the cross-attention keys/values of the memory, which
 are projected once per source (`DecoderLayer.memory_kv_cache`) and reused at every step.
+
+The stacks check their inputs once, build one `AttentionMask` per attention kind for the batch and
+hand it to every layer, which hands it to its attention modules; a layer or an attention module
+called with plain masks checks and combines them itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +39,7 @@ from .. import _checks
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
 from .kv_cache import KVCache
+from .masks import AttentionMask, check_masks
 from .normalization import make_norm
 from .positional import SinusoidalPositionalEncoding
 
@@ -41,51 +47,102 @@ if TYPE_CHECKING:
     from .rope import RotaryEmbedding
 
 
-class EncoderLayer(nn.Module):
+class _ResidualLayer(nn.Module):
+    """What the encoder and decoder layers share: self-attention (and, in the decoder, cross-attention)
+    and a feed-forward sublayer, one norm and one dropout per sublayer, and the residual wiring.
+
+    Submodules: `self_attn` (and `cross_attn`), `ff`, `norm1` .. `norm{k}`, `dropout1` .. `dropout{k}`.
+    """
+
+    norm1: nn.Module  # registered by add_module, in a loop
+    norm2: nn.Module
+    dropout1: nn.Module
+    dropout2: nn.Module
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, cross_attention: bool, dropout: float,
+                 activation: str, norm_first: bool, n_kv_heads: int | None, norm: str, norm_eps: float,
+                 bias: bool, attention_dropout: float | None, backend: str, ff: nn.Module | None = None):
+        super().__init__()
+        _checks.check_probability("dropout", dropout)
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
+        self.norm_first = norm_first
+
+        def attention() -> MultiHeadAttention:
+            return MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
+                                      dropout=attention_dropout, backend=backend)
+
+        self.self_attn = attention()
+        if cross_attention:
+            self.cross_attn = attention()
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias) if ff is None else ff
+        sublayers = 3 if cross_attention else 2
+        for i in range(1, sublayers + 1):
+            self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias))
+        for i in range(1, sublayers + 1):
+            self.add_module(f"dropout{i}", nn.Dropout(dropout))
+
+    def check_states(self, name: str, x: Tensor) -> None:
+        """x is a floating (B, n, d_model) tensor: checked when a layer is called on its own."""
+        _checks.check_tensor(name, x, ndim=3, shape_doc="(B, n, d_model)")
+        _checks.check_floating(name, x)
+        _checks.check_last_dim(name, x, self.self_attn.d_model, "d_model")
+
+    def residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
+                 dropout: nn.Module) -> Tensor:
+        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)))
+        return norm(x + dropout(sublayer(x)))
+
+
+class EncoderLayer(_ResidualLayer):
     """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
 
-    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
+    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward, or the module passed as `ff`,
+    e.g. an `MoEFeedForward`), `norm1`, `norm2`.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto"):
-        super().__init__()
-        _checks.check_probability("dropout", dropout)
-        attention_dropout = dropout if attention_dropout is None else attention_dropout
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
-                                            dropout=attention_dropout, backend=backend)
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
-        self.norm1 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
-        self.norm2 = make_norm(norm, d_model, eps=norm_eps, bias=bias)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+                 attention_dropout: float | None = None, backend: str = "auto", ff: nn.Module | None = None):
+        super().__init__(d_model, n_heads, d_ff, cross_attention=False, dropout=dropout,
+                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
+                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend,
+                         ff=ff)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
-                is_causal: bool = False, rope: RotaryEmbedding | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
-        """x: (B, n, d_model) -> (B, n, d_model). Masks as in `MultiHeadAttention.forward`."""
+    def forward(self, x: Tensor, mask: Tensor | AttentionMask | None = None, *,
+                key_padding_mask: Tensor | None = None, is_causal: bool = False,
+                rope: RotaryEmbedding | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        """x: (B, n, d_model) -> (B, n, d_model).
+
+        mask: the batch's `AttentionMask` (what the stacks pass; nothing is checked then), or the
+        masks of `MultiHeadAttention.forward` given as mask, key_padding_mask and is_causal.
+        kv_cache: decode incrementally, x holding the positions after the cached ones.
+        """
+        if not isinstance(mask, AttentionMask):
+            self.check_states("x", x)
+            mask = self.self_attn.mask_for(x, x, x, mask, key_padding_mask=key_padding_mask,
+                                           is_causal=is_causal, rope=rope, kv_cache=kv_cache)
+
         def attend(h: Tensor) -> Tensor:
-            return self.dropout1(self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask,
-                                                is_causal=is_causal, rope=rope, kv_cache=kv_cache))
+            return self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache)
 
-        if self.norm_first:
-            x = x + attend(self.norm1(x))
-            return x + self.dropout2(self.ff(self.norm2(x)))
-        x = self.norm1(x + attend(x))
-        return self.norm2(x + self.dropout2(self.ff(x)))
+        x = self.residual(x, attend, self.norm1, self.dropout1)
+        return self.residual(x, self.ff, self.norm2, self.dropout2)
 
 
 class TokenStack(nn.Module):
     """What the encoder and decoder stacks share: token embedding · √d_model + sinusoidal PE and
-    dropout in front of N layers made by `make_layer`, then a final LayerNorm when they are pre-LN.
+    dropout in front of N layers of `layer_type`, then a final LayerNorm when they are pre-LN.
     The embedding of `pad_id` is kept at zero."""
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, max_len: int,
-                 make_layer: Callable[[], nn.Module], *, pad_id: int | None, dropout: float,
-                 norm_first: bool, norm_eps: float):
+    layer_type: ClassVar[Callable[..., nn.Module]]  # EncoderLayer or DecoderLayer
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
+                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, backend: str = "auto"):
         super().__init__()
         _checks.check_positive_int("vocab_size", vocab_size)
         _checks.check_positive_int("d_model", d_model)
@@ -97,7 +154,10 @@ class TokenStack(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(make_layer() for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                            norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
+            for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
 
     @property
@@ -116,17 +176,7 @@ class Encoder(TokenStack):
     src: (B, n) token ids -> (B, n, d_model). Tokens equal to `pad_id` are never attended to.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
-                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
-        def make_layer() -> EncoderLayer:
-            return EncoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
-                                backend=backend)
-
-        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
-                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+    layer_type = EncoderLayer
 
     def padding_mask(self, src: Tensor) -> Tensor | None:
         """(B, n) boolean, True = real token; None without a pad_id."""
@@ -134,13 +184,17 @@ class Encoder(TokenStack):
 
     def forward(self, src: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         """src (B, n) -> memory (B, n, d_model). key_padding_mask defaults to `src != pad_id`."""
-        _checks.check_token_ids("src", src, self.vocab_size)
-        _checks.check_max_len("src", src.shape[1], self.max_len)
+        _checks.check_token_id_tensor("src", src)
+        batch, n = src.shape
+        _checks.check_max_len("src", n, self.max_len)
         if key_padding_mask is None:
             key_padding_mask = self.padding_mask(src)
-        x = self.embed(src)
+        else:
+            _checks.check_key_padding_mask("key_padding_mask", key_padding_mask, batch, n, src.device)
+        mask = AttentionMask.build(n, n, key_padding_mask=key_padding_mask, device=src.device)
+        x = _checks.lookup_token_ids("src", src, self.vocab_size, self.embed)
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask)
+            x = layer(x, mask)
         return self.norm(x)
 
 
@@ -150,76 +204,85 @@ class DecoderCache:
 
     sources (B,), when given, names the source of each row: rows with the same source hold the same
     memory keys/values (the beams of one sentence), so a reorder that keeps every row's source
-    leaves the memory cache as it is instead of copying it.
+    leaves the memory cache as it is instead of copying it. rows_per_source r: rows b·r .. b·r+r-1
+    hold source b (0 once a reorder has mixed them).
     """
 
     self_attn: KVCache
     cross_attn: KVCache
     sources: Tensor | None = None
+    rows_per_source: int = 0
 
-    def reorder(self, batch_indices: Tensor) -> None:
-        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around)."""
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+        """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around).
+
+        group_size g: the caller promises that each index stays in its block of g rows (beam search:
+        the beams of one sentence). When those blocks lie within one source's rows, the memory cache
+        is kept without reading the indices, which would cost a host sync per layer and step.
+        """
         self.self_attn.reorder(batch_indices)
+        if group_size is not None and self.rows_per_source and self.rows_per_source % group_size == 0:
+            return
         if self.sources is not None and torch.equal(self.sources[batch_indices], self.sources):
             return
         self.cross_attn.reorder(batch_indices)
         if self.sources is not None:
             self.sources = self.sources[batch_indices]
+        self.rows_per_source = 0
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_ResidualLayer):
     """Masked self-attention, cross-attention over the memory, feed-forward; each wrapped in dropout,
     a residual connection and a norm.
 
     Submodules: `self_attn`, `cross_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`..`norm3`.
     """
 
+    cross_attn: MultiHeadAttention
+    norm3: nn.Module
+    dropout3: nn.Module
+
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
                  attention_dropout: float | None = None, backend: str = "auto"):
-        super().__init__()
-        _checks.check_probability("dropout", dropout)
-        attention_dropout = dropout if attention_dropout is None else attention_dropout
-        self.norm_first = norm_first
-        self.self_attn, self.cross_attn = (
-            MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
-                               dropout=attention_dropout, backend=backend) for _ in range(2))
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias)
-        self.norm1, self.norm2, self.norm3 = (make_norm(norm, d_model, eps=norm_eps, bias=bias)
-                                              for _ in range(3))
-        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
+        super().__init__(d_model, n_heads, d_ff, cross_attention=True, dropout=dropout,
+                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
+                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend)
 
-    def _residual(self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
-                  dropout: nn.Module) -> Tensor:
-        """LN(x + Dropout(Sublayer(x))) post-LN, or x + Dropout(Sublayer(LN(x))) pre-LN."""
-        if self.norm_first:
-            return x + dropout(sublayer(norm(x)))
-        return norm(x + dropout(sublayer(x)))
-
-    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, *,
-                memory_mask: Tensor | None = None, is_causal: bool = False,
+    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | AttentionMask | None = None, *,
+                memory_mask: Tensor | AttentionMask | None = None, is_causal: bool = False,
                 tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None, self_kv_cache: KVCache | None = None,
                 cross_kv_cache: KVCache | None = None) -> Tensor:
         """x (B, n, d_model) target positions, memory (B, m, d_model) -> (B, n, d_model).
 
         tgt_mask (n, n) / memory_mask (n, m) and the key-padding masks (B, n) / (B, m) are boolean,
-        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`.
-        is_causal: position i sees target positions <= i. self_kv_cache holds the positions decoded
-        so far; cross_kv_cache (static) the memory's keys and values, see `memory_kv_cache`.
+        True = may attend (or additive float for the first two), as in `MultiHeadAttention.forward`;
+        or tgt_mask and memory_mask are the batch's `AttentionMask`s (what `Decoder` passes; nothing
+        is checked then). is_causal: position i sees target positions <= i. self_kv_cache holds the
+        positions decoded so far; cross_kv_cache (static) the memory's keys and values, see
+        `memory_kv_cache`.
         """
+        if not isinstance(tgt_mask, AttentionMask):
+            self.check_states("x", x)
+            tgt_mask = self.self_attn.mask_for(x, x, x, tgt_mask, key_padding_mask=tgt_key_padding_mask,
+                                               is_causal=is_causal, kv_cache=self_kv_cache)
+        if not isinstance(memory_mask, AttentionMask):
+            self.check_states("memory", memory)
+            memory_mask = self.cross_attn.mask_for(x, memory, memory, memory_mask,
+                                                   key_padding_mask=memory_key_padding_mask,
+                                                   kv_cache=cross_kv_cache)
+
         def self_attend(h: Tensor) -> Tensor:
-            return self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask,
-                                  is_causal=is_causal, kv_cache=self_kv_cache)
+            return self.self_attn(h, h, h, tgt_mask, kv_cache=self_kv_cache)
 
         def cross_attend(h: Tensor) -> Tensor:
-            return self.cross_attn(h, memory, memory, memory_mask,
-                                   key_padding_mask=memory_key_padding_mask, kv_cache=cross_kv_cache)
+            return self.cross_attn(h, memory, memory, memory_mask, kv_cache=cross_kv_cache)
 
-        x = self._residual(x, self_attend, self.norm1, self.dropout1)
-        x = self._residual(x, cross_attend, self.norm2, self.dropout2)
-        return self._residual(x, self.ff, self.norm3, self.dropout3)
+        x = self.residual(x, self_attend, self.norm1, self.dropout1)
+        x = self.residual(x, cross_attend, self.norm2, self.dropout2)
+        return self.residual(x, self.ff, self.norm3, self.dropout3)
 
     def memory_kv_cache(self, memory: Tensor, *, repeats: int = 1) -> KVCache:
         """A static cache holding memory W^K and memory W^V, (B·repeats, h_kv, m, d_k) each.
@@ -243,17 +306,7 @@ class Decoder(TokenStack):
     the vocabulary belongs to the model. The embedding of `pad_id` is kept at zero.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
-                 max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
-        def make_layer() -> DecoderLayer:
-            return DecoderLayer(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                                norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps,
-                                backend=backend)
-
-        super().__init__(vocab_size, d_model, n_layers, max_len, make_layer, pad_id=pad_id,
-                         dropout=dropout, norm_first=norm_first, norm_eps=norm_eps)
+    layer_type = DecoderLayer
 
     def forward(self, tgt: Tensor, memory: Tensor, *, tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None,
@@ -266,20 +319,43 @@ class Decoder(TokenStack):
         kv_caches (one per layer, see `new_kv_caches`): decode incrementally; tgt then holds only
         the positions after the cached ones.
         """
-        _checks.check_token_ids("tgt", tgt, self.vocab_size)
+        self_mask, memory_mask = self._masks(tgt, memory, tgt_key_padding_mask, memory_key_padding_mask,
+                                             kv_caches)
+        offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
+        x = _checks.lookup_token_ids("tgt", tgt, self.vocab_size, lambda ids: self.embed(ids, offset))
+        for i, layer in enumerate(self.layers):
+            cache = None if kv_caches is None else kv_caches[i]
+            x = layer(x, memory, self_mask, memory_mask=memory_mask,
+                      self_kv_cache=None if cache is None else cache.self_attn,
+                      cross_kv_cache=None if cache is None else cache.cross_attn)
+        return self.norm(x)
+
+    def _masks(self, tgt: Tensor, memory: Tensor, tgt_key_padding_mask: Tensor | None,
+               memory_key_padding_mask: Tensor | None,
+               kv_caches: list[DecoderCache] | None) -> tuple[AttentionMask, AttentionMask]:
+        """Validate `forward`'s inputs (shapes only) and build the self- and cross-attention masks."""
+        _checks.check_token_id_tensor("tgt", tgt)
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches must hold one DecoderCache per layer ({len(self.layers)}), "
                              f"got {len(kv_caches)}")
         offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
-        _checks.check_max_len("tgt (cached positions included)", offset + tgt.shape[1], self.max_len)
-        x = self.embed(tgt, offset)
-        for i, layer in enumerate(self.layers):
-            cache = None if kv_caches is None else kv_caches[i]
-            x = layer(x, memory, is_causal=True, tgt_key_padding_mask=tgt_key_padding_mask,
-                      memory_key_padding_mask=memory_key_padding_mask,
-                      self_kv_cache=None if cache is None else cache.self_attn,
-                      cross_kv_cache=None if cache is None else cache.cross_attn)
-        return self.norm(x)
+        (batch, n), m = tgt.shape, offset + tgt.shape[1]
+        _checks.check_max_len("tgt (cached positions included)", m, self.max_len)
+        _checks.check_tensor("memory (the keys and values of cross-attention)", memory, ndim=3,
+                             shape_doc="(B, m, d_model)")
+        _checks.check_floating("memory", memory)
+        _checks.check_last_dim("memory", memory, self.d_model, "d_model")
+        _checks.check_same_device(tgt=tgt, memory=memory)
+        if memory.shape[0] != batch:
+            raise ValueError(f"memory must have the batch size of tgt ({batch}), got {tuple(memory.shape)}")
+        heads = cast(DecoderLayer, self.layers[0]).self_attn.n_heads
+        check_masks(batch, heads, n, m, tgt.device, key_padding_mask=tgt_key_padding_mask,
+                    key_padding_name="tgt_key_padding_mask")
+        check_masks(batch, heads, n, memory.shape[1], tgt.device, key_padding_mask=memory_key_padding_mask,
+                    key_padding_name="memory_key_padding_mask")
+        self_mask = AttentionMask.build(n, m, is_causal=True, cached=offset,
+                                        key_padding_mask=tgt_key_padding_mask, device=tgt.device)
+        return self_mask, AttentionMask.build(n, memory.shape[1], key_padding_mask=memory_key_padding_mask)
 
     def new_kv_caches(self, memory: Tensor, max_len: int | None = None, *,
                       repeats: int = 1) -> list[DecoderCache]:
@@ -291,9 +367,9 @@ class Decoder(TokenStack):
         parameter = self.embedding.weight
         sources = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
         caches = []
-        for layer in self.layers:
+        for layer in cast(Iterable[DecoderLayer], self.layers):
             attn = layer.self_attn
             own = KVCache(memory.shape[0] * repeats, attn.n_kv_heads, max_len, attn.head_dim,
                           dtype=parameter.dtype, device=parameter.device)
-            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources))
+            caches.append(DecoderCache(own, layer.memory_kv_cache(memory, repeats=repeats), sources, repeats))
         return caches

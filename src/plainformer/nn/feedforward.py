@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
+from .linear import Linear
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
@@ -31,15 +32,13 @@ class FeedForward(nn.Module):
         _checks.check_choice("activation", activation, ACTIVATIONS)
         _checks.check_probability("dropout", dropout)
         self.activation = activation
-        self.W_1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.W_3 = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
-        self.W_2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.W_1 = Linear(d_model, d_ff, bias=bias)
+        self.W_3 = Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.W_2 = Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: (B, n, d_model) -> (B, n, d_model)."""
-        _checks.check_tensor("x", x)
-        _checks.check_last_dim("x", x, self.W_1.in_features, "d_model")
+        """x: (B, n, d_model) -> (B, n, d_model); not checked here, a hot path (the layers check x)."""
         hidden = self.W_1(x)  # (B, n, d_ff)
         if self.activation == "relu":
             hidden = F.relu(hidden)
@@ -48,5 +47,6 @@ class FeedForward(nn.Module):
         elif self.activation == "gelu_tanh":
             hidden = F.gelu(hidden, approximate="tanh")
         else:
+            assert self.W_3 is not None  # built for swiglu
             hidden = F.silu(hidden) * self.W_3(x)
         return self.W_2(self.dropout(hidden))

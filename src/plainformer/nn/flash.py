@@ -34,7 +34,7 @@ query head; row r of a block holds query position i0 + r // G.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -114,7 +114,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_
         if size is not None:
             _checks.check_positive_int(name, size)
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, batch, k.shape[2], q.device)
+        _checks.check_key_padding_mask("key_padding_mask", key_padding_mask, batch, k.shape[2], q.device)
     if scale is None:
         return 1.0 / math.sqrt(dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -122,17 +122,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     return float(scale)
-
-
-def _check_key_padding_mask(mask: Tensor, batch: int, m: int, device: torch.device) -> None:
-    _checks.check_tensor("key_padding_mask", mask, ndim=2, shape_doc="(B, m)")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be boolean (True = real token), got {mask.dtype}")
-    if tuple(mask.shape) != (batch, m):
-        raise ValueError(f"key_padding_mask must have shape (B, m) = {(batch, m)}, "
-                         f"got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"key_padding_mask is on {mask.device} but q is on {device}")
 
 
 def _triton_function(q: Tensor, v: Tensor) -> Callable[..., tuple[Tensor, Tensor]] | None:
@@ -205,7 +194,7 @@ class _Tiles:
         is not (10x slower on CPU).
         """
         (i0, i1), (j0, j1) = self.queries[i], self.keys[j]
-        if self.padding is not None and self.padded[j]:
+        if self.padding is not None and self.padded is not None and self.padded[j]:
             tile = scores.view(self.batch, -1, scores.shape[1], scores.shape[2])
             tile.add_(self.padding[:, None, None, j0:j1])
         if self.is_causal and j1 - 1 > i0:

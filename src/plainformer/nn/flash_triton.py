@@ -141,7 +141,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, D, DK, DV, PAD, n, m, H, G, d, dv, qk_scale, s
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Query blocks that end before this key block starts see none of it under the causal mask.
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if IS_CAUSAL else 0
-    for g in range(0, G):
+    for g in range(G):
         bh = b * H + hk * G + g
         for start_m in range(start, n, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)

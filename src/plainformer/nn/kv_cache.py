@@ -29,24 +29,30 @@ class KVCache:
         self.max_len, self.static = max_len, static
         self.length = 0
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, H_kv, n, d_k) at positions length .. length+n-1; return all (B, H_kv, length, d_k)."""
+    def check_fits(self, name: str, shape: tuple[int, ...]) -> None:
+        """Keys or values of `shape` (B, H_kv, n, d_k) can be appended: checked once, at the boundary."""
         batch, heads, _, head_dim = self._k.shape
-        for name, x in (("k", k), ("v", v)):
-            _checks.check_tensor(name, x, ndim=4, shape_doc="(B, H_kv, n, d_k)")
-            if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
-                raise ValueError(f"{name} must have shape (B, H_kv, n, d_k) = ({batch}, {heads}, n, "
-                                 f"{head_dim}) to fit the cache, got {tuple(x.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (batch, heads, head_dim):
+            raise ValueError(f"{name} must have shape (B, H_kv, n, d_k) = ({batch}, {heads}, n, "
+                             f"{head_dim}) to fit the cache, got {tuple(shape)}")
+        self._check_room(shape[2])
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, H_kv, n, d_k) at positions length .. length+n-1; return all (B, H_kv, length, d_k).
+
+        Shapes are not checked here, on the decoding path (see `check_fits`); room is.
+        """
         n = k.shape[-2]
-        if self.length + n > self.max_len:
-            raise ValueError(f"KV cache is full: {self.length} cached + {n} new positions exceed "
-                             f"max_len={self.max_len}")
+        self._check_room(n)
         self._k[:, :, self.length:self.length + n] = k
         self._v[:, :, self.length:self.length + n] = v
         self.length += n
         return self.keys(), self.values()
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache is full: {self.length} cached + {n} new positions exceed "
+                             f"max_len={self.max_len}")
 
     def keys(self) -> Tensor:
         return self._k[:, :, :self.length]
@@ -54,10 +60,10 @@ class KVCache:
     def values(self) -> Tensor:
         return self._v[:, :, :self.length]
 
-    def reorder(self, batch_indices: Tensor) -> None:
-        """Keep batch rows `batch_indices` (beam search picks which hypotheses survive)."""
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+        """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
+
+        group_size (see `DecoderCache.reorder`) changes nothing here: every row is its own.
+        """
         self._k = self._k.index_select(0, batch_indices)
         self._v = self._v.index_select(0, batch_indices)
-
-    def reset(self) -> None:
-        self.length = 0

@@ -5,6 +5,9 @@
 
 Each (sin, cos) pair at frequency ω_i turns through the angle k·ω_i when pos advances by k, so
 PE(pos + k) = M_k · PE(pos) with M_k block-diagonal of 2×2 rotations, the same for every pos.
+
+The forwards do not check their inputs (they run in every model forward): the models check their
+token ids' shape and positions against their context length, once, at their entry.
 """
 
 from __future__ import annotations
@@ -46,14 +49,10 @@ def relative_shift_matrix(k: int, d_model: int) -> Tensor:
     return matrix
 
 
-def _check_sequence(x: Tensor, d_model: int, max_len: int, offset: int) -> None:
-    _checks.check_tensor("x", x, ndim=3, shape_doc="(B, n, d_model)")
-    _checks.check_last_dim("x", x, d_model, "d_model")
-    _checks.check_positions("x", offset, x.shape[1], max_len)
-
-
 class SinusoidalPositionalEncoding(nn.Module):
     """x + PE[offset : offset+n] for x of shape (B, n, d_model); buffer `pe` is (max_len, d_model)."""
+
+    pe: Tensor
 
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
@@ -63,7 +62,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        _check_sequence(x, self.d_model, self.max_len, offset)
+        """x (B, n, d_model) at positions offset .. offset+n-1 -> same shape; not checked here."""
         return x + self.pe[offset:offset + x.shape[1]].to(x.dtype)
 
 
@@ -78,6 +77,6 @@ class LearnedPositionalEmbedding(nn.Module):
         self.embedding = nn.Embedding(max_len, d_model)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        _check_sequence(x, self.d_model, self.max_len, offset)
+        """x (B, n, d_model) at positions offset .. offset+n-1 -> same shape; not checked here."""
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + self.embedding(positions)

@@ -25,6 +25,9 @@ def rotate_half(x: Tensor) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates (B, H, n, d) queries or keys for positions offset .. offset+n-1."""
 
+    cos: Tensor  # (max_len, d) buffers
+    sin: Tensor
+
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
         super().__init__()
         _checks.check_positive_int("head_dim", head_dim)
@@ -41,11 +44,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x: (B, H, n, d) -> same shape, rotated for positions offset .. offset+n-1."""
-        _checks.check_min_rank("x", x, 2, "(..., n, head_dim)")
-        _checks.check_last_dim("x", x, self.head_dim, "head_dim")
+        """x: (B, H, n, d) -> same shape, rotated for positions offset .. offset+n-1.
+
+        Not checked here, a hot path: `MultiHeadAttention.forward` checks head_dim and positions
+        (`attention.check_rope`), the models check positions against their context length.
+        """
         n = x.shape[-2]
-        _checks.check_positions("x", offset, n, self.max_len)
         cos = self.cos[offset:offset + n].to(x.dtype)  # (n, d)
         sin = self.sin[offset:offset + n].to(x.dtype)
         return x * cos + rotate_half(x) * sin

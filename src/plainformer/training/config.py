@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from .. import _checks
 from ..config import Config
@@ -36,6 +37,7 @@ def _check_number(name: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
     if not positive and not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
 
 
 @dataclasses.dataclass

@@ -32,7 +32,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,8 @@ class Distributed:
                                "enter plainformer.training.distributed.process_group() first")
         self.parallel = resolve_parallel(parallel, self.launch.world_size)
         self.module: nn.Module | None = None
-        self.wrapped: nn.Module | None = None
+        # The module to call: the model itself, its DistributedDataParallel or its FSDP module.
+        self.wrapped: Any = None
 
     @property
     def rank(self) -> int:
@@ -179,6 +181,13 @@ class Distributed:
         return self.launch.is_main
 
     # ------------------------------------------------------------------------- the model
+
+    @property
+    def model(self) -> nn.Module:
+        """The model given to `wrap` (sharded in place under FSDP)."""
+        if self.module is None:
+            raise RuntimeError("Distributed.wrap(model) must be called first")
+        return self.module
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module to call for forward and backward. A CUDA model moves to cuda:LOCAL_RANK first.
@@ -253,10 +262,10 @@ class Distributed:
         """The full, unsharded state dict of the model, on CPU; complete on rank 0 (FSDP: empty on
         the others). Every rank must call it."""
         if self.parallel != "fsdp":
-            return self.module.state_dict()
+            return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, Tensor], state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state dict in `torch.optim` layout (state keyed by parameter index in
@@ -264,11 +273,11 @@ class Distributed:
         if self.parallel != "fsdp":
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        by_name = get_optimizer_state_dict(self.module, optimizer, options=StateDictOptions(
+        by_name: dict[str, Any] = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if not by_name:
             return {}
-        index = {}
+        index: dict[str, int] = {}
         groups = []
         for group in by_name["param_groups"]:
             params = []
@@ -282,23 +291,23 @@ class Distributed:
     def load_model_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a full state dict (every rank holds it) into the model, sharding it under FSDP."""
         if self.parallel != "fsdp":
-            self.module.load_state_dict(state_dict)
+            self.model.load_state_dict(state_dict)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(self.module, dict(state_dict), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, dict(state_dict), options=StateDictOptions(full_state_dict=True))
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a full optimizer state dict in `torch.optim` layout (every rank holds it)."""
         if self.parallel != "fsdp":
             optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = {id(p): name for name, p in self.model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        by_name = {"state": {order[i]: value for i, value in state["state"].items()},
+        by_name: dict[str, Any] = {"state": {order[i]: value for i, value in state["state"].items()},
                    "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
                                     for group in state["param_groups"]]}
-        set_optimizer_state_dict(self.module, optimizer, by_name,
+        set_optimizer_state_dict(self.model, optimizer, by_name,
                                  options=StateDictOptions(full_state_dict=True))
 
     def gather(self, value: Any) -> list[Any]:

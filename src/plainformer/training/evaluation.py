@@ -7,27 +7,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import _checks
+from ..nn.modes import eval_mode
 
 IGNORE_INDEX = -100  # labels that are not scored (F.cross_entropy's default ignore_index)
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
     """`model` in eval mode and without autograd inside the block, in its previous mode after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield model
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.inference_mode():
+        yield model
 
 
 def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch_size: int
@@ -52,7 +49,7 @@ def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch
     if len(tail) > 1:
         chunks.append(tail[None])  # (1, < T + 1)
     total, count = 0.0, 0
-    with eval_mode(model):
+    with evaluating(model):
         for chunk in chunks:
             batch = torch.from_numpy(np.array(chunk))  # (B, T + 1), a writable copy
             logits = model(batch[:, :-1])[0]  # (B, T, V)
@@ -68,7 +65,7 @@ def accuracy(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> 
     returns (logits, loss) with logits (N, C) for the N labelled targets of the batch in order: the
     masked tokens of a masked LM, the lines of a classifier."""
     correct = total = 0
-    with eval_mode(model):
+    with evaluating(model):
         for index in range(n_batches):
             batch = source.get_batch("val", index, batch_size)
             logits, _ = model(**batch)
@@ -92,11 +89,11 @@ def score_translations(model: nn.Module, sources: Sequence[str], references: Seq
         raise ValueError(f"sources and references must be equally long and non-empty, got "
                          f"{len(sources)} and {len(references)}")
     start = time.perf_counter()
-    with eval_mode(model):
-        hypotheses = model.translate(list(sources), beam_size=beam_size, length_penalty=length_penalty,
-                                     batch_size=batch_size)
+    with evaluating(model):
+        hypotheses = model.translate(  # type: ignore[operator]  # any module with a translate method
+            list(sources), beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size)
     elapsed = time.perf_counter() - start
-    exact = sum(h == r for h, r in zip(hypotheses, references)) / len(references)
+    exact = sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
     bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
     return {"bleu": bleu, "exact_match": exact, "sentences": len(references), "beam": beam_size,
             "decode_s": elapsed, "sentences_per_s": len(references) / max(elapsed, 1e-9)}
@@ -105,6 +102,6 @@ def score_translations(model: nn.Module, sources: Sequence[str], references: Seq
 def mean_loss(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> float:
     """Mean of the losses `model(**batch)` returns over the validation batches 0 .. n_batches-1 of
     `source`: the trainer's validation loss, computed in the weights' precision."""
-    with eval_mode(model):
+    with evaluating(model):
         losses = [model(**source.get_batch("val", index, batch_size))[1].float() for index in range(n_batches)]
     return float(torch.stack(losses).mean())

@@ -38,6 +38,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
     _checks.check_positive_int("step", step)
     t, warmup = step, config.warmup_steps
     if config.schedule == "inverse_sqrt":
+        assert config.schedule_d_model is not None  # TrainConfig requires it for this schedule
         return config.lr * config.schedule_d_model ** -0.5 * min(t ** -0.5, t * warmup ** -1.5)
     if t <= warmup:
         return config.lr * t / warmup
@@ -53,14 +54,15 @@ def parameter_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     nn.Embedding modules (also when tied to an output projection) do not."""
     embedding = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
                  for p in m.parameters(recurse=False)}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or id(p) in embedding else decay).append(p)
     return decay, no_decay
 
 
-def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The hidden matrices Muon trains: 2-D weights of nn.Linear modules that sit inside an
     nn.ModuleList (the blocks), never an embedding (so not a head tied to one)."""
     skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)  # and, later, the ones taken
@@ -125,7 +127,7 @@ class MuonWithAdamW:
         return [g for o in self.optimizers for g in o.param_groups]
 
     @property
-    def state(self) -> dict[nn.Parameter, dict[str, Any]]:
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         return {p: s for o in self.optimizers for p, s in o.state.items()}
 
     def step(self) -> None:
@@ -158,6 +160,6 @@ class MuonWithAdamW:
                 "state": {i - offset: state_dict["state"][i] for i in indices if i in state_dict["state"]},
                 "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in own]})
             offset += len(indices)
-        for group, scale in zip(self.param_groups, scales):
+        for group, scale in zip(self.param_groups, scales, strict=True):
             if scale is not None:
                 group["lr_scale"] = scale

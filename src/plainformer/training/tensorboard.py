@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 EVENTS_DIR = "tensorboard"
 TAGS = {"train_loss": "loss/train", "val_loss": "loss/val"}

@@ -19,8 +19,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,8 +37,10 @@ from ..io.checkpoint import (
     save_checkpoint,
 )
 from ..io.run_lock import run_lock
+from ..nn.modes import eval_mode
 from .config import TrainConfig
 from .distributed import Distributed, process_group
+from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
 from .precision import resolve_dtype
@@ -127,10 +130,12 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.model, self.source, self.config = model, source, config
         self.out_dir = Path(out_dir)
-        self.family = family or getattr(model, "family", None)
-        if not isinstance(self.family, str):
+        family = family or getattr(model, "family", None)
+        if not isinstance(family, str):
             raise ValueError(f"family is required: {type(model).__name__} has no `family` attribute")
-        model_config = model.config if model_config is None and hasattr(model, "config") else model_config
+        self.family = family
+        if model_config is None:
+            model_config = getattr(model, "config", None)
         if model_config is None:
             raise ValueError(f"model_config is required: {type(model).__name__} has no `config`")
         # Through JSON, so that it compares equal to what a checkpoint holds.
@@ -153,8 +158,10 @@ class Trainer:
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
         self.config = config = config.replace(dtype=dtype)
-        self.optimizer = make_optimizer(model, config)
+        # MuonWithAdamW is not an Optimizer subclass but has the interface the trainer and checkpoints use.
+        self.optimizer = cast(torch.optim.Optimizer, make_optimizer(model, config))
         self._forward = torch.compile(self._wrapped) if config.compile else self._wrapped
+        self.moe_stats = MoEStats(model)
         self.step = 0
         self.data_position = 0
         self.best_val_loss: float | None = None
@@ -165,7 +172,7 @@ class Trainer:
         self._val_batches: list[dict[str, Tensor]] | None = None
         self._evaluated_step: int | None = None  # the step of the latest evaluation
         self._last_is_current = False  # last/ holds this step and everything logged so far
-        self._unlogged = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
+        self._unlogged: dict[str, Any] = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
@@ -245,6 +252,7 @@ class Trainer:
         grad_norm = (self.dist.local(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
                      if cfg.grad_clip > 0 else None)
         self.optimizer.step()
+        self.moe_stats.after_step()  # once per optimizer step: the router biases and the load window
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._last_is_current = False
@@ -256,13 +264,8 @@ class Trainer:
         if self._val_batches is None:
             size = self.config.eval_batch_size or self.config.batch_size
             self._val_batches = [self._batch("val", i, size) for i in range(self.config.eval_batches)]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self._autocast():
-                losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), self._autocast():
+            losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
         return self.dist.mean(torch.stack(losses).mean()).item()
 
     # ------------------------------------------------------------------------- the loop
@@ -336,8 +339,11 @@ class Trainer:
                 or bool(cfg.save_interval and step % cfg.save_interval == 0))
 
     def _plot(self) -> None:
-        if self.dist.is_main:
-            plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        if not self.dist.is_main:
+            return
+        plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
+        if self.moe_stats:
+            plot_expert_load(self.metrics_path, self.out_dir / "expert_load.png")
 
     def _elapsed(self) -> float:
         """Wall-clock seconds of this run, including the sessions before a resume."""
@@ -354,9 +360,11 @@ class Trainer:
         self._last_is_current = False
         lr = self.optimizer.param_groups[0]["lr"]
         extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
+        moe = self.moe_stats.flush()
         self._record(train_loss=self.train_loss, lr=lr, tokens_per_s=tokens_per_s,
-                     elapsed_s=self._elapsed(), **extra)
-        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}")
+                     elapsed_s=self._elapsed(), **extra, **moe)
+        bar.set_postfix(loss=f"{self.train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}",
+                        **({"moe_viol": f"{moe['max_violation']:.2f}"} if moe else {}))
 
     def _evaluate_and_keep_best(self) -> None:
         self.val_loss = self.evaluate()

@@ -1,0 +1,135 @@
+"""Attention masks: which of the m keys each of the n queries may see, combined once per batch.
+
+Masks follow `torch.nn.functional.scaled_dot_product_attention`: a boolean mask is True where a query
+may attend a key, a float mask is added to the scores, and either broadcasts to the scores
+(B, h, n, m). Three kinds of constraint meet here:
+
+    causal         query i sees keys j <= i + P (P = positions already in a KV cache; P = 0 is
+                   torch's top-left convention)
+    key padding    (B, m) boolean, True = real token: a padded key is seen by no query
+    attn_mask      any boolean or additive mask broadcastable to (B, h, n, m)
+
+A stack builds one `AttentionMask` per forward and hands it to every layer, so the masks are
+combined once, not once per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+
+
+def causal_mask(n: int, m: int, *, offset: int = 0, device: torch.device | str | None = None) -> Tensor:
+    """Boolean (n, m) mask, True where query i may attend key j, i.e. j <= i + offset.
+
+    offset = 0 is torch's top-left convention; offset = m - n aligns the last query with the last key,
+    which is what decoding with a KV cache of m - n past positions needs.
+    """
+    _checks.check_positive_int("n", n)
+    _checks.check_positive_int("m", m)
+    rows = torch.arange(n, device=device).unsqueeze(1)
+    cols = torch.arange(m, device=device).unsqueeze(0)
+    return cols <= rows + offset
+
+
+def and_masks(mask: Tensor | None, allowed: Tensor) -> Tensor:
+    """Restrict `mask` (boolean, additive or None) to the positions where boolean `allowed` is True."""
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """The constraints on one batch's attention scores, in the forms the backends take.
+
+    is_causal    top-left causal masking (query i sees keys j <= i) on top of the other two;
+                 torch's sdpa and our flash kernel apply it without a mask tensor.
+    key_padding  (B, m) boolean, True = real token, or None; the only mask flash attention takes.
+    attn_mask    any other constraint, broadcastable to (B, h, n, m) (the user's mask, a causal
+                 mask shifted by cached positions), or None.
+    dense        all of them in one mask broadcastable to (B, h, n, m), or None when nothing is
+                 masked: what the step-by-step math path and sdpa (with more than causality) read.
+    """
+
+    is_causal: bool = False
+    key_padding: Tensor | None = None
+    attn_mask: Tensor | None = None
+    dense: Tensor | None = None
+
+    @classmethod
+    def build(cls, n: int, m: int, *, is_causal: bool = False, cached: int = 0,
+              key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+              device: torch.device | None = None) -> AttentionMask:
+        """Combine the constraints for n queries at positions cached .. cached+n-1 over m keys.
+
+        key_padding_mask (B, m) and attn_mask (broadcastable to (B, h, n, m)) are taken as given:
+        validate them at the public boundary first (`check_masks`).
+        """
+        if is_causal and cached > 0:
+            # torch's is_causal is top-left aligned: with P cached keys, query i sits at P + i
+            if n > 1:  # one newest query sees every key: nothing to mask
+                attn_mask = and_masks(attn_mask, causal_mask(n, m, offset=cached, device=device))
+            is_causal = False
+        dense = attn_mask
+        if key_padding_mask is not None:
+            dense = and_masks(dense, key_padding_mask[:, None, None, :])  # (B, 1, 1, m)
+        if is_causal and dense is not None:
+            dense = and_masks(dense, causal_mask(n, m, device=device))
+        elif is_causal:
+            dense = causal_mask(n, m, device=device)
+        return cls(is_causal, key_padding_mask, attn_mask, dense)
+
+    @property
+    def only_causal(self) -> bool:
+        """Nothing but (at most) the top-left causal mask: backends need no mask tensor."""
+        return self.key_padding is None and self.attn_mask is None
+
+    def dense_for(self, dtype: torch.dtype) -> Tensor | None:
+        """`dense` with an additive mask in the scores' dtype (boolean masks are kept)."""
+        if self.dense is None or self.dense.dtype == torch.bool:
+            return self.dense
+        return self.dense.to(dtype)
+
+
+NO_MASK = AttentionMask()
+
+
+def check_masks(batch: int, heads: int, n: int, m: int, device: torch.device, *,
+                attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+                mask_name: str = "mask", key_padding_name: str = "key_padding_mask") -> Tensor | None:
+    """Validate a layer's masks at the public boundary; returns attn_mask as (B|1, h|1, n, m).
+
+    attn_mask: boolean (True = may attend) or additive float, (n, m), (B, n, m) or (B, h, n, m).
+    key_padding_mask: (B, m) boolean, True = real token. Shapes and dtypes only: nothing is read.
+    """
+    if attn_mask is not None:
+        _checks.check_tensor(mask_name, attn_mask, ndim=(2, 3, 4),
+                             shape_doc="(n, m), (B, n, m) or (B, h, n, m)")
+        if attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, n, m)
+        check_mask_tensor(mask_name, attn_mask, (batch, heads, n, m), device, "(B, h, n, m)")
+    if key_padding_mask is not None:
+        _checks.check_key_padding_mask(key_padding_name, key_padding_mask, batch, m, device)
+    return attn_mask
+
+
+def check_mask_tensor(name: str, mask: Tensor, scores_shape: tuple[int, ...], device: torch.device,
+                      scores_doc: str = "(..., n, m)") -> None:
+    """A boolean or additive mask broadcastable to scores of shape `scores_shape`, on `device`."""
+    _checks.check_tensor(name, mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be boolean (True = may attend) or an additive float mask, "
+                        f"got dtype {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")
+    _checks.check_broadcastable(name, mask, scores_shape, scores_doc)
+    if mask.dim() > len(scores_shape):
+        raise ValueError(f"{name} has {mask.dim()} dimensions, more than the scores {scores_doc} "
+                         f"of shape {scores_shape}")

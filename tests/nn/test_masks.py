@@ -1,0 +1,96 @@
+"""Tests for plainformer.nn.masks: one AttentionMask per batch, combined as the backends need it.
+
+The reference is a hand-built boolean (B, h, n, m) mask, one entry at a time, from the definitions:
+query i at position P + i sees key j when j <= P + i (causal), key j is real (padding) and the
+user's mask allows it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import plainformer as pf
+from plainformer.nn.masks import AttentionMask, check_masks
+from tests.reference.torch_reference import assert_close
+
+B, H = 2, 3
+
+
+def _by_hand(n: int, m: int, cached: int, causal: bool, padding, attn_mask) -> torch.Tensor:
+    allowed = torch.ones(B, H, n, m, dtype=torch.bool)
+    for b, h, i, j in itertools.product(range(B), range(H), range(n), range(m)):
+        if causal and j > cached + i:
+            allowed[b, h, i, j] = False
+        if padding is not None and not padding[b, j]:
+            allowed[b, h, i, j] = False
+        if attn_mask is not None and not attn_mask.expand(B, H, n, m)[b, h, i, j]:
+            allowed[b, h, i, j] = False
+    return allowed
+
+
+@pytest.mark.parametrize("n, m, cached", [(4, 4, 0), (3, 5, 0), (2, 5, 3), (1, 6, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_padding", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_dense_mask_combines_causal_padding_and_user_mask(n, m, cached, causal, with_padding, with_mask):
+    g = torch.Generator().manual_seed(n * 10 + m)
+    padding = (torch.rand(B, m, generator=g) < 0.7) if with_padding else None
+    attn_mask = (torch.rand(1, H, n, m, generator=g) < 0.7) if with_mask else None
+    mask = AttentionMask.build(n, m, is_causal=causal, cached=cached, key_padding_mask=padding,
+                               attn_mask=attn_mask)
+    expected = _by_hand(n, m, cached, causal, padding, attn_mask)
+    if mask.dense is None:
+        assert expected.all()
+    else:
+        assert torch.equal(mask.dense.expand(B, H, n, m), expected)
+
+
+def test_causal_alone_needs_no_mask_tensor_for_the_fused_backends():
+    mask = AttentionMask.build(5, 5, is_causal=True)
+    assert mask.only_causal and mask.is_causal and mask.key_padding is None and mask.attn_mask is None
+    assert torch.equal(mask.dense, pf.causal_mask(5, 5))
+
+
+def test_one_newest_query_after_cached_positions_sees_every_key():
+    mask = AttentionMask.build(1, 7, is_causal=True, cached=6)
+    assert mask == AttentionMask()  # nothing to mask at all
+
+
+def test_cached_positions_shift_the_causal_mask_into_attn_mask():
+    """torch's is_causal is top-left aligned, so a shifted causal mask is an explicit mask."""
+    mask = AttentionMask.build(2, 5, is_causal=True, cached=3)
+    assert not mask.is_causal
+    assert torch.equal(mask.attn_mask, pf.causal_mask(2, 5, offset=3))
+
+
+def test_an_additive_mask_stays_additive_and_takes_the_scores_dtype():
+    additive = torch.randn(3, 4, dtype=torch.float64)
+    padding = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    mask = AttentionMask.build(3, 4, key_padding_mask=padding, attn_mask=additive)
+    dense = mask.dense_for(torch.float32)
+    assert dense.dtype == torch.float32 and dense.shape == (2, 1, 3, 4)
+    assert torch.isinf(dense[0, 0, :, 2]).all()
+    assert_close(dense[1, 0], additive.float())
+
+
+def test_check_masks_names_the_bad_mask():
+    with pytest.raises(ValueError, match=r"tgt_key_padding_mask must have shape \(B, m\) = \(2, 4\)"):
+        check_masks(2, 3, 4, 4, torch.device("cpu"), key_padding_mask=torch.ones(2, 5, dtype=torch.bool),
+                    key_padding_name="tgt_key_padding_mask")
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        check_masks(2, 3, 4, 4, torch.device("cpu"), attn_mask=torch.ones(4, 4, dtype=torch.long))
+    assert check_masks(2, 3, 4, 5, torch.device("cpu"), attn_mask=torch.ones(2, 4, 5)).shape == (2, 1, 4, 5)
+
+
+def test_a_layer_given_the_batch_mask_matches_the_layer_given_raw_masks():
+    """What the stacks do (build once, hand it over) equals what a layer called alone does."""
+    torch.manual_seed(0)
+    layer = pf.EncoderLayer(12, H, 24, dropout=0.0)
+    x = torch.randn(B, 5, 12)
+    padding = torch.ones(B, 5, dtype=torch.bool)
+    padding[1, 3:] = False
+    built = AttentionMask.build(5, 5, is_causal=True, key_padding_mask=padding)
+    assert_close(layer(x, built), layer(x, key_padding_mask=padding, is_causal=True))
