@@ -434,7 +434,8 @@ NUMERIC_OPTIONS = {
     "eval --beam 0": (["eval", "--beam", "0"], "--beam", "0"),
     "eval --length-penalty nan": (["eval", "--length-penalty", "nan"], "--length-penalty", "nan"),
     "eval --threads 0": (["eval", "--threads", "0"], "--threads", "0"),
-    "sample --temperature nan (crashed in torch.multinomial)": (["sample", "--temperature", "nan"], "--temperature", "nan"),
+    "sample --temperature nan (crashed in torch.multinomial)": (
+        ["sample", "--temperature", "nan"], "--temperature", "nan"),
     "sample --temperature inf": (["sample", "--temperature", "inf"], "--temperature", "inf"),
     "sample --temperature -1": (["sample", "--temperature", "-1"], "--temperature", "-1"),
     "sample --top-k 0": (["sample", "--top-k", "0"], "--top-k", "0"),
@@ -483,7 +484,6 @@ def test_an_argparse_mistake_is_one_error_line_too(capsys):
 def _float_flags() -> list[tuple[str, str]]:
     """(flag, a preset whose configs have it) for every float field that `train` takes as a flag."""
     from plainformer.cli.train import MODEL_CONFIGS, recipe_keys
-    from plainformer.config import Config
     from plainformer.training.config import TrainConfig
 
     presets = {"gpt": "default", "bert-mlm": "bert-pretrain", "transformer": "seq2seq-copy"}
@@ -561,8 +561,10 @@ def _transformer_run(directory: Path) -> Path:
 
 @pytest.mark.parametrize("text, message", [
     ("{oops", r"task\.json is not valid JSON: Expecting property name"),
-    ('"copy"', r"task\.json must hold an object whose 'task' is one of copy, reverse, numbers-en-fr, got \"copy\"$"),
-    ('{"task": ["copy"]}', r"task\.json must hold an object whose 'task' is one of .*, got \{\"task\": \[\"copy\"\]\}$"),
+    ('"copy"', r"task\.json must hold an object whose 'task' is one of copy, reverse, numbers-en-fr, "
+               r"got \"copy\"$"),
+    ('{"task": ["copy"]}',
+     r"task\.json must hold an object whose 'task' is one of .*, got \{\"task\": \[\"copy\"\]\}$"),
     ('{"name": "copy"}', r"task\.json must hold an object whose 'task' is one of"),
 ])
 def test_an_invalid_task_json_is_one_error_line_naming_it(text, message, capsys, tmp_path):

@@ -21,8 +21,9 @@ import math
 import os
 import sys
 import typing
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

@@ -4,8 +4,9 @@ config.json names; the data options default to those of the run's recipe.yaml.""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..data.seq2seq import TASKS
 from ..io.checkpoint import load_checkpoint

@@ -17,8 +17,9 @@ import argparse
 import dataclasses
 import difflib
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import nn
 
