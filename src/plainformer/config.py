@@ -29,7 +29,8 @@ class Config:
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self) -> None:
-        for name, (kind, optional) in _scalar_fields(type(self)).items():
+        config_cls: type = type(self)  # a class is hashable, whatever its instances' __hash__
+        for name, (kind, optional) in _scalar_fields(config_cls).items():
             check_field_type(name, getattr(self, name), kind, optional)
         self.validate()
 
@@ -76,7 +77,7 @@ _EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a str"}
 
 
 @functools.cache
-def _scalar_fields(cls: type[Config]) -> dict[str, tuple[type, bool]]:
+def _scalar_fields(cls: type) -> dict[str, tuple[type, bool]]:
     """Field name -> (scalar type, whether None is allowed), for the fields annotated with one of
     `_EXPECTED`'s types (alone or `| None`)."""
     hints = typing.get_type_hints(cls)
@@ -97,5 +98,5 @@ def check_field_type(name: str, value: Any, kind: type, optional: bool = False) 
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise TypeError(f"{name} must be {_EXPECTED[kind]}{' or None' if optional else ''}, "
                         f"got {type(value).__name__} {value!r}"[:200])
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
