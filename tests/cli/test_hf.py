@@ -174,3 +174,21 @@ def test_export_of_a_bert_checkpoint_gives_transformers_bert_and_its_tokenizer(c
 def test_export_refuses_a_missing_checkpoint(capsys, tmp_path):
     code, _, stderr = run_cli(capsys, "export", "--ckpt", tmp_path / "nothing", "--out", tmp_path / "hf")
     assert code == 2 and stderr.startswith("plainformer: error: --ckpt") and "does not exist" in stderr
+
+
+def test_sample_and_eval_take_a_hugging_face_directory_as_ckpt(run, capsys, tmp_path):
+    assert run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "hf")[0] == 0
+    greedy = ("sample", "--prompt", TEXT, "--max-new-tokens", "16", "--temperature", "0")
+    code, from_run, _ = run_cli(capsys, *greedy, "--ckpt", run)
+    assert code == 0
+    code, from_hf, _ = run_cli(capsys, *greedy, "--ckpt", tmp_path / "hf")
+    assert code == 0 and from_hf == from_run
+    text = tmp_path / "small.txt"  # a little of the corpus: its characters are in the vocabulary
+    text.write_text(pf.load_text()[:20_000], encoding="utf-8")
+    evaluations = []
+    for ckpt in (run / "best", tmp_path / "hf"):
+        code, stdout, _ = run_cli(capsys, "eval", "--ckpt", ckpt, "--data", text)
+        assert code == 0
+        evaluations.append(json.loads(stdout.splitlines()[-1]))
+    assert evaluations[1]["tokens"] == evaluations[0]["tokens"]
+    assert evaluations[1]["val_loss"] == pytest.approx(evaluations[0]["val_loss"], abs=1e-5)

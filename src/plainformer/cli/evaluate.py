@@ -10,6 +10,7 @@ from typing import Any
 
 from ..data.seq2seq import TASKS
 from ..io.checkpoint import load_checkpoint
+from ..io.hf import is_hf_directory
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,
@@ -67,8 +68,11 @@ def _evaluators() -> Mapping[str, Evaluator]:
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    run_dir, checkpoint = run_and_checkpoint(args.ckpt)
-    family = load_checkpoint(checkpoint, verify=False).family
+    if is_hf_directory(args.ckpt):  # a Hugging Face language model: evaluated as a GPT, no run recipe
+        run_dir, checkpoint, family = args.ckpt, args.ckpt, "gpt"
+    else:
+        run_dir, checkpoint = run_and_checkpoint(args.ckpt)
+        family = load_checkpoint(checkpoint, verify=False).family
     evaluators = _evaluators()
     if family not in evaluators:
         raise UserError(f"{checkpoint} holds a {family!r} model; eval knows {', '.join(evaluators)}")

@@ -14,6 +14,7 @@ import torch
 
 from ..data.lm import LMBatchSource, prepare_lm_data
 from ..generation.decoding import iter_generate
+from ..io.hf import is_hf_directory, load_hf
 from ..models.gpt import GPT
 from ..training.evaluation import validation_loss
 from . import (
@@ -70,7 +71,10 @@ def train(run: Run) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- loading
 
 def _load_model(path: Path, dtype: str) -> GPT:
-    model = GPT.from_checkpoint(checkpoint_dir(path))
+    """A plainformer GPT checkpoint or run directory, or a Hugging Face GPT-2 / Llama directory."""
+    model = load_hf(path) if is_hf_directory(path) else GPT.from_checkpoint(checkpoint_dir(path))
+    if not isinstance(model, GPT):
+        raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")
     return model.to(torch.bfloat16) if dtype == "bfloat16" else model
 
 
