@@ -355,7 +355,7 @@ def test_a_really_full_disk_under_the_token_cache_is_one_error_line(capsys, smal
     code, stderr = run_cli(capsys, "train", "--data", text, "--out", tmp_path / "run", "--max-steps", "1",
                            *TINY_GPT)
     assert_one_error_line(code, stderr, rf"the disk is full: could not write the token cache {small_tmpfs}/")
-    assert not [p for p in small_tmpfs.rglob("*.tmp")]
+    assert not list(small_tmpfs.rglob("*.tmp"))
 
 
 # ----------------------------------------------------------------------------- kill -9

@@ -124,7 +124,8 @@ def test_attention_of_one_layer_and_head_and_from_a_hugging_face_directory(run, 
     (["--source", "a", "--target", "b"], "give --text"),
 ])
 def test_attention_user_errors_print_one_line(run, capsys, tmp_path, extra, message):
-    argv = ["attention", "--ckpt", run, "--out", tmp_path / "x.png"] + (["--text", TEXT] if "--source" not in extra else [])
+    text = [] if "--source" in extra else ["--text", TEXT]
+    argv = ["attention", "--ckpt", run, "--out", tmp_path / "x.png", *text]
     code, stdout, stderr = run_cli(capsys, *argv, *extra)
     assert code == 2 and stdout == ""
     assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("plainformer: error: ")

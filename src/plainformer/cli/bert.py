@@ -19,6 +19,7 @@ from ..data.classification import ClassificationBatchSource, play_lines_task
 from ..data.corpus import SPLITS, load_split
 from ..data.lm import build_tokenizer, default_cache_dir
 from ..data.mlm import MLMBatchSource, encode_stream
+from ..data.tokenizers import WordPieceTokenizer
 from ..io.atomic import atomic_path
 from ..io.checkpoint import load_checkpoint, load_model
 from ..io.hf_bert import MINILM_NAME, resolve_bert_path
@@ -75,23 +76,24 @@ def _mlm_source(data: Path | None, tokenizer: Any, seq_len: int, config: BertCon
     _check_seq_len(seq_len, config)
     split = load_split(data)
     log("encoding the corpus ...")
-    streams = [encode_stream(split, which, tokenizer) for which in SPLITS]
-    log(f"data: {len(streams[0]):,} train / {len(streams[1]):,} validation wordpieces, "
+    train_stream, val_stream = (encode_stream(split, which, tokenizer) for which in SPLITS)
+    log(f"data: {len(train_stream):,} train / {len(val_stream):,} validation wordpieces, "
         f"vocabulary {tokenizer.vocab_size}")
-    return MLMBatchSource(*streams, tokenizer, seq_len, seed=seed)
+    return MLMBatchSource(train_stream, val_stream, tokenizer, seq_len, seed=seed)
 
 
 def pretrain(run: Run) -> dict[str, Any]:
     """`plainformer train` for a masked-LM recipe: a WordPiece tokenizer trained on the training
     works, then masked language modelling (15% of tokens selected; 80% [MASK], 10% random, 10% kept)."""
     options = run.options
-    if run.resume:
-        config, tokenizer = run.model, run.checkpoint.load_tokenizer()
+    config = run.model_config(BertConfig)
+    if run.checkpoint is not None:  # resuming
+        tokenizer = run.checkpoint.load_tokenizer()
     else:
-        _check_seq_len(options["seq_len"], run.model)  # before the slow steps
+        _check_seq_len(options["seq_len"], config)  # before the slow steps
         tokenizer = build_tokenizer(load_split(options.get("data")), "wordpiece",
                                     vocab_size=options["vocab_size"])
-        config = run.model.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+        config = config.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
     source = _mlm_source(options.get("data"), tokenizer, options["seq_len"], config, run.train.seed)
     torch.manual_seed(run.train.seed)
     model = BertForMaskedLM(config)
@@ -107,10 +109,11 @@ def pretrain(run: Run) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- finetune
 
 def _finetune_model(run: Run, n_labels: int) -> tuple[BertForSequenceClassification, Any]:
-    if run.resume:
-        if run.model.n_labels != n_labels:
-            raise UserError(f"--resume continues a model of {run.model.n_labels} classes, not {n_labels}")
-        return BertForSequenceClassification(run.model), run.checkpoint.load_tokenizer()
+    if run.checkpoint is not None:  # resuming
+        config = run.model_config(BertConfig)
+        if config.n_labels != n_labels:
+            raise UserError(f"--resume continues a model of {config.n_labels} classes, not {n_labels}")
+        return BertForSequenceClassification(config), run.checkpoint.load_tokenizer()
     bert, tokenizer = load_bert(_model_location(run.options["init"]))
     model = BertForSequenceClassification(bert.config.replace(n_labels=n_labels, **run.model_overrides))
     model.bert.load_state_dict(bert.state_dict())
@@ -168,6 +171,8 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
     model = load_model(checkpoint, BertForSequenceClassification, BertConfig)
     task = play_lines_task(recipe["plays"])
     batch_size, seed, _ = _saved_batching(args, saved)
+    if not isinstance(model.tokenizer, WordPieceTokenizer):
+        raise UserError(f"{checkpoint} holds no WordPiece tokenizer to encode the task's lines with")
     source = ClassificationBatchSource(task, model.tokenizer, recipe.get("seq_len", 64), seed=seed)
     return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
             "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from ..data.lm import LMBatchSource, prepare_lm_data
+from ..data.tokenizers import Tokenizer
 from ..generation.decoding import iter_generate
 from ..io.hf import is_hf_directory, load_hf
-from ..models.gpt import GPT
+from ..models.gpt import GPT, GPTConfig
 from ..training.evaluation import validation_loss
 from . import (
     UserError,
@@ -43,11 +44,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def train(run: Run) -> dict[str, Any]:
     """`plainformer train` for a GPT recipe: the data of options["data"] through its tokenizer."""
     options = run.options
-    sources = dict(val_path=options.get("val_data"), text_field=options.get("text_field") or "text",
-                   progress=run.progress, log=log)
-    if run.resume:
+    sources: dict[str, Any] = dict(val_path=options.get("val_data"),
+                                   text_field=options.get("text_field") or "text", progress=run.progress,
+                                   log=log)
+    if run.checkpoint is not None:  # resuming
         data = prepare_lm_data(options.get("data"), tokenizer=run.checkpoint.load_tokenizer(), **sources)
-        model_config = run.model
+        model_config = run.model_config(GPTConfig)
     else:
         kind = options.get("tokenizer") or "char"
         if kind == "char" and options.get("vocab_size") is not None:
@@ -55,7 +57,7 @@ def train(run: Run) -> dict[str, Any]:
                             "per character of the text (add --tokenizer bpe)")
         vocab_size = (options.get("vocab_size") or DEFAULT_BPE_VOCAB) if kind == "bpe" else None
         data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size, **sources)
-        model_config = run.model.replace(vocab_size=data.tokenizer.vocab_size)
+        model_config = run.model_config(GPTConfig).replace(vocab_size=data.tokenizer.vocab_size)
     source = LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
                            seed=run.train.seed)
     log(f"data: {len(data.train_tokens):,} train / {len(data.val_tokens):,} validation tokens, "
@@ -70,12 +72,15 @@ def train(run: Run) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- loading
 
-def _load_model(path: Path, dtype: str) -> GPT:
-    """A plainformer GPT checkpoint or run directory, or a Hugging Face GPT-2 / Llama directory."""
+def _load_model(path: Path, dtype: str) -> tuple[GPT, Tokenizer]:
+    """The GPT of a checkpoint or run directory, or of a Hugging Face GPT-2 / Llama directory, and the
+    tokenizer saved with it."""
     model = load_hf(path) if is_hf_directory(path) else GPT.from_checkpoint(checkpoint_dir(path))
     if not isinstance(model, GPT):
         raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")
-    return model.to(torch.bfloat16) if dtype == "bfloat16" else model
+    if model.tokenizer is None:
+        raise UserError(f"{path} holds no tokenizer, so text cannot be encoded")
+    return (model.to(torch.bfloat16) if dtype == "bfloat16" else model), model.tokenizer
 
 
 # ----------------------------------------------------------------------------- sample
@@ -100,8 +105,7 @@ def _register_sample(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run_sample(args: argparse.Namespace) -> dict[str, Any]:
-    model = _load_model(args.ckpt, args.dtype)
-    tokenizer = model.tokenizer
+    model, tokenizer = _load_model(args.ckpt, args.dtype)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if prompt.shape[1] == 0:
         raise UserError("--prompt encodes to no tokens; give at least one character")
@@ -132,8 +136,8 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
              ) -> dict[str, Any]:
     """`plainformer eval` of a GPT: mean next-token loss over the whole validation split of --data
     (default: the run's, else the bundled corpus), in consecutive windows of block_size tokens."""
-    model = _load_model(checkpoint, args.dtype)
-    data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=model.tokenizer,
+    model, tokenizer = _load_model(checkpoint, args.dtype)
+    data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=tokenizer,
                            val_path=None if args.data else recipe.get("val_data"),
                            text_field=recipe.get("text_field") or "text")
     loss, count = validation_loss(model, data.val_tokens, model.config.block_size, args.batch_size or 16)

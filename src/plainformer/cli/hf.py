@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import nn
 
+from ..config import Config
+from ..data.tokenizers import Tokenizer
 from ..io.checkpoint import load_checkpoint, load_model
 from ..io.hf import is_hf_directory, load_hf, read_hf_config, save_hf
 from ..models.attention_maps import attention_maps, plot_attention_maps
@@ -24,7 +26,8 @@ from ..models.gpt import GPT, GPTConfig
 from ..models.transformer import Transformer, TransformerConfig
 from . import UserError, checkpoint_dir
 
-FAMILIES = {
+Model = GPT | BertModel | BertForMaskedLM | BertForSequenceClassification | Transformer
+FAMILIES: dict[str, tuple[type[Model], type[Config]]] = {
     "gpt": (GPT, GPTConfig),
     "bert": (BertModel, BertConfig),
     "bert-mlm": (BertForMaskedLM, BertConfig),
@@ -39,7 +42,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_attention(subcommands)
 
 
-def load_any(path: Path) -> nn.Module:
+def load_any(path: Path) -> Model:
     """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run."""
     if not path.exists():
         raise UserError(f"--ckpt {path} does not exist")
@@ -114,7 +117,7 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
         if args.text is None or args.source is not None or args.target is not None:
             raise UserError(f"a {type(model).__name__} plots self-attention: give --text, not --source/--target")
         ids = tokenizer.encode(args.text)
-        _check_length("--text", ids, getattr(model.config, "block_size", None) or model.config.max_len)
+        _check_length("--text", ids, model.config.block_size if isinstance(model, GPT) else model.config.max_len)
         weights = attention_maps(model, torch.tensor(ids))
         queries = keys = _token_texts(tokenizer, ids)
     layers = _selection("--layer", args.layer, weights.shape[0], "layers")
@@ -140,7 +143,7 @@ def _selection(flag: str, value: int | None, size: int, what: str) -> list[int]:
     return [value]
 
 
-def _token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def _token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     """Each token's text, special tokens by name (decoding would drop them)."""
     special = {tokenizer.token_to_id(token): token for token in tokenizer.special_tokens.values()}
     return [special[i] if i in special else tokenizer.decode([i]) for i in ids]

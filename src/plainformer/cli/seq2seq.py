@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
-from ..models.transformer import Transformer
+from ..models.transformer import Transformer, TransformerConfig
 from ..training.evaluation import score_translations
 from . import (
     UserError,
@@ -66,13 +66,15 @@ def train(run: Run) -> dict[str, Any]:
     task_name = run.options["task"]
     start = time.perf_counter()
     task = make_task(task_name)
-    tokenizer = run.checkpoint.load_tokenizer() if run.resume else train_tokenizer(task)
+    tokenizer = run.checkpoint.load_tokenizer() if run.checkpoint is not None else train_tokenizer(task)
     source = Seq2SeqBatches(task, tokenizer, seed=run.train.seed)
     log(f"task {task_name}: {', '.join(f'{len(p):,} {s}' for s, p in task.pairs.items())} pairs, "
         f"BPE vocabulary of {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
-    model_config = run.model if run.resume else run.model.replace(
-        src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-        bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    model_config = run.model_config(TransformerConfig)
+    if not run.resume:
+        model_config = model_config.replace(
+            src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
+            pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     torch.manual_seed(run.train.seed)
     model = Transformer(model_config)
     log(f"model: Transformer, {model.num_parameters():,} parameters, {torch.get_num_threads()} "

@@ -19,7 +19,7 @@ import difflib
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -36,6 +36,7 @@ from ..training.trainer import Trainer
 from . import UserError, add_config_arguments, field_type, log, positive_int, set_threads
 
 RECIPE_FILE = "recipe.yaml"
+ConfigT = TypeVar("ConfigT", bound=Config)
 
 MODEL_CONFIGS: Mapping[str, type[Config]] = {
     "gpt": GPTConfig, "bert-mlm": BertConfig, "bert-cls": BertConfig, "transformer": TransformerConfig}
@@ -103,11 +104,17 @@ class Run:
     def resume(self) -> bool:
         return self.checkpoint is not None
 
+    def model_config(self, config_cls: type[ConfigT]) -> ConfigT:
+        """`model` as the family's config class, which the family code names (MODEL_CONFIGS)."""
+        assert isinstance(self.model, config_cls), f"a {self.family} run holds {type(self.model).__name__}"
+        return self.model
+
     def recipe_values(self) -> dict[str, Any]:
         """What OUT/recipe.yaml holds: every key a flag, so that --config reads it back."""
         if recipes.get(self.preset).model is None:  # fine-tuned: the shape is --init's
             model = dict(self.model_overrides)
         else:
+            assert self.model is not None  # only a fine-tuning recipe leaves the model to --init
             skip = DATA_FIELDS[type(self.model)]
             model = {k: v for k, v in self.model.to_dict().items() if k not in skip}
         options = {name: self.options.get(name) for name, option in OPTIONS.items()

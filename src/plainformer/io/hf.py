@@ -397,7 +397,7 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
         except RuntimeError as e:
             raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
         model.eval()
-    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))  # type: ignore[assignment]
+    model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))
     return model
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from ..nn.blocks import EncoderLayer
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
+
+if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
+    from ..data.tokenizers import Tokenizer
 
 IGNORE_INDEX = -100
 
@@ -149,6 +152,7 @@ class BertModel(nn.Module):
     """
 
     family = "bert"
+    tokenizer: Tokenizer | None  # set by load_model and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -229,6 +233,7 @@ class BertForMaskedLM(nn.Module):
     """
 
     family = "bert-mlm"
+    tokenizer: Tokenizer | None  # set by load_model and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -261,6 +266,7 @@ class BertForSequenceClassification(nn.Module):
     """
 
     family = "bert-cls"
+    tokenizer: Tokenizer | None  # set by load_model and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
+    from ..data.tokenizers import Tokenizer
 
 POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
 
@@ -146,6 +149,7 @@ class GPT(nn.Module):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
     family = "gpt"
+    tokenizer: Tokenizer | None
 
     def __init__(self, config: GPTConfig):
         super().__init__()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
+
+if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
+    from ..data.tokenizers import Tokenizer
 
 EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
 
@@ -134,6 +137,7 @@ class Transformer(nn.Module):
     -> (logits (B, n, tgt_vocab_size), label-smoothed loss | None)."""
 
     family = "transformer"
+    tokenizer: Tokenizer | None
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
