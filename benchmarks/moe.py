@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plainformer as pf
-from attention import extra_peak_bytes
+from attention import extra_peak_bytes, median_times
 from plainformer import recipes
 
 WARMUP_STEPS = recipes.get("moe").train.warmup_steps
@@ -85,18 +83,6 @@ def make_call(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -
         torch.autograd.grad(layer(x), inputs, grad_out)
 
     return call
-
-
-def median_times(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def train_run(preset: str, out: Path, *options: str) -> dict:

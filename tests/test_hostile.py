@@ -334,20 +334,6 @@ def test_a_full_disk_while_caching_tokens_is_one_error_and_leaves_no_file(tmp_pa
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; the monkeypatched variant runs anyway")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_really_full_disk_under_the_token_cache_is_one_error_line(capsys, small_tmpfs, tmp_path, monkeypatch):
     monkeypatch.setenv("PLAINFORMER_CACHE", str(small_tmpfs))
     text = tmp_path / "big.txt"

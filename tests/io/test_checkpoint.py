@@ -508,21 +508,6 @@ def test_other_write_errors_are_not_called_a_full_disk(tmp_path, monkeypatch):
         save(tmp_path / "last", net)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
-    import subprocess
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; the monkeypatched variant runs anyway")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_really_full_disk_keeps_the_previous_checkpoint(small_tmpfs):
     old, _ = trained_net()
     save(small_tmpfs / "last", old)
