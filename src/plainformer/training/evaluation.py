@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from .. import _checks
+from ..models.bert import IGNORE_INDEX  # labels that are not scored
 from ..nn.modes import eval_mode
-
-IGNORE_INDEX = -100  # labels that are not scored (F.cross_entropy's default ignore_index)
 
 
 @contextlib.contextmanager
