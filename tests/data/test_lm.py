@@ -2,6 +2,8 @@ import hashlib
 import importlib.resources
 import os
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +209,27 @@ def test_prepare_lm_data_with_a_given_tokenizer_encodes_a_user_file(tmp_path):
     split = split_text(make_works(10))
     assert tok.decode(prepared.val_tokens) == "\n\n".join(split.documents("val"))
 
+
+
+def test_concurrent_preparers_of_one_entry_prepare_it_once(tmp_path, monkeypatch):
+    # The ranks of one torchrun prepare the same fresh entry at once: the second must wait for the
+    # first (not remove its tokenizer as a leftover) and then load what it wrote.
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_works(10))
+    prepared_in = []
+    prepare = data._prepare
+
+    def slow_prepare(directory, *args):
+        prepared_in.append(directory)
+        time.sleep(0.3)  # the other thread reaches the entry meanwhile
+        prepare(directory, *args)
+
+    monkeypatch.setattr(data, "_prepare", slow_prepare)
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: prepare_lm_data(path, cache_dir=tmp_path / "cache"), range(2))
+    assert len(prepared_in) == 1
+    assert np.array_equal(first.train_tokens, second.train_tokens)
+    assert first.tokenizer.fingerprint == second.tokenizer.fingerprint
 
 @pytest.fixture
 def source():

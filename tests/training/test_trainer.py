@@ -139,7 +139,7 @@ def test_inverse_sqrt_matches_the_paper_formula_computed_by_hand():
     (dict(schedule="linear"), "schedule"), (dict(batch_size=0), "batch_size"),
     (dict(min_lr=1.0, lr=0.1), "min_lr"), (dict(schedule="inverse_sqrt"), "schedule_d_model"),
     (dict(dtype="float16"), "dtype"), (dict(beta2=1.0), "beta2"), (dict(max_time=0), "max_time"),
-    (dict(decay_steps=50, warmup_steps=100), "decay_steps"),
+    (dict(decay_steps=50, warmup_steps=100), "decay_steps"), (dict(fit_to_time=True), "fit_to_time"),
 ])
 def test_invalid_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -223,6 +223,19 @@ def test_max_time_stops_early_and_counts_time_spent_before_resume(tmp_path):
     assert again["step"] == metrics["step"]
     _, longer = train(tmp_path, slow, resume=True, max_steps=metrics["step"] + 2, max_time=100.0)
     assert longer["step"] == metrics["step"] + 2 and longer["stopped_by"] == "max_steps"
+
+
+def test_fit_to_time_plans_steps_that_end_by_max_time_with_the_schedule_annealed(tmp_path):
+    slow = CountingTokens(delay_s=0.01)  # about 20 ms per step (two micro-batches): a slow machine
+    fitted = dict(max_steps=100_000, max_time=1.5, fit_to_time=True, warmup_steps=20, eval_interval=25)
+    _, metrics = train(tmp_path, slow, **fitted)
+    assert metrics["stopped_by"] == "max_steps"  # the plan ended the run before the hard stop
+    assert 30 < metrics["step"] < 150 and read_metrics(tmp_path, "elapsed_s")[-1][1] < 1.5  # before loss.png
+    assert read_metrics(tmp_path, "lr")[-1] == (metrics["step"], pytest.approx(small_config().min_lr))
+    state = load_checkpoint(tmp_path / "last").trainer_state
+    assert state["planned_steps"] == metrics["step"]
+    resumed, again = train(tmp_path, slow, resume=True, **fitted)
+    assert resumed.config.max_steps == metrics["step"] and again["step"] == metrics["step"]
 
 
 def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from .. import _checks
 from ..io.atomic import atomic_path, reporting_full_disk
+from ..io.run_lock import run_lock
 from .corpus import (
     ENCODE_CHUNK_CHARS,
     SPLITS,
@@ -447,9 +448,14 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
                  / _cache_key(FORMAT_VERSION, source.fingerprint, split_spec, *spec))
     data = _load_prepared(directory, tokenizer)
     if data is None:
-        _prepare(directory, source, val_source, tokenizer, vocab_size, val_fraction, progress)
-        data = _load_prepared(directory, tokenizer)
-        assert data is not None, "a preparation just written must load"
+        # One preparer at a time (e.g. the ranks of one torchrun): a second one would remove the first's
+        # tokenizer as a leftover; it waits, then finds the entry complete.
+        with run_lock(directory, wait=True):
+            data = _load_prepared(directory, tokenizer)
+            if data is None:
+                _prepare(directory, source, val_source, tokenizer, vocab_size, val_fraction, progress)
+                data = _load_prepared(directory, tokenizer)
+                assert data is not None, "a preparation just written must load"
     if log:
         for line in data.stats.lines():
             log(line)

@@ -1,4 +1,5 @@
 """One process per run directory: an exclusive `flock` on `DIR/.lock`, which holds the owner's pid.
+The same lock, waited for instead of refused, serialises the processes that fill one cache entry.
 
 The kernel drops the lock when its file descriptor closes, so it is released on every exit path of
 the owner, including `kill -9`, and never has to be cleaned up. The file itself stays: deleting it
@@ -24,10 +25,11 @@ class RunDirectoryBusy(OSError):
 
 
 @contextlib.contextmanager
-def run_lock(directory: str | os.PathLike) -> Iterator[Path]:
+def run_lock(directory: str | os.PathLike, *, wait: bool = False) -> Iterator[Path]:
     """Own `directory` (created if missing) for the duration of the block.
 
-    Raises RunDirectoryBusy, naming the owner's pid, when another process holds it.
+    Raises RunDirectoryBusy, naming the owner's pid, when another process holds it; with `wait`,
+    blocks until the owner lets go instead.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -35,7 +37,7 @@ def run_lock(directory: str | os.PathLike) -> Iterator[Path]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunDirectoryBusy(f"{directory} is in use by another run (pid {_owner(fd)}); wait for "
                                    "it to finish or stop it, or choose another output directory") from None

@@ -46,7 +46,10 @@ class TrainConfig(Config):
     (both still happen at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor
     in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
     (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
-    training early and gracefully. A micro-batch holds `batch_size` rows per process; an optimizer
+    training early and gracefully; with `fit_to_time` it also sets the length: at the end of warmup,
+    max_steps is lowered to the steps that end by max_time at the speed measured so far (evaluations
+    and the final save included), so that the schedule has annealed when time is up, on a fast machine
+    or a slow one (kept in the checkpoint: a resume continues that plan). A micro-batch holds `batch_size` rows per process; an optimizer
     step `batch_size * grad_accum_steps * world_size`. `parallel` picks DDP or FSDP2 under torchrun
     ("auto": DDP when there is more than one process). `optimizer` "muon" trains the blocks' matrices
     with Muon at peak rate `muon_lr` (same schedule) and everything else with AdamW (training/optim.py).
@@ -77,6 +80,7 @@ class TrainConfig(Config):
     dtype: str = "auto"
     seed: int = 1337
     max_time: float | None = None
+    fit_to_time: bool = False
     compile: bool = False
     parallel: str = "auto"
     tensorboard: bool = False
@@ -111,9 +115,11 @@ class TrainConfig(Config):
         _checks.check_choice("parallel", self.parallel, PARALLEL)
         if self.max_time is not None:
             _check_number("max_time", self.max_time, positive=True)
-        for name in ("compile", "tensorboard"):
+        for name in ("compile", "tensorboard", "fit_to_time"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.fit_to_time and self.max_time is None:
+            raise ValueError("fit_to_time needs max_time (the seconds to fit the steps into), got None")
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
                              f"({self.warmup_steps})")

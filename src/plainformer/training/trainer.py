@@ -83,6 +83,10 @@ class _InterruptRequest:
             signal.signal(signal.SIGINT, previous)
 
 
+# fit_to_time times at least this many steps after a session's first before it plans.
+_STEPS_TO_TIME = 10
+
+
 class _Stopwatch:
     """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
     across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
@@ -173,6 +177,7 @@ class Trainer:
         self._evaluated_step: int | None = None  # the step of the latest evaluation
         self._last_is_current = False  # last/ holds this step and everything logged so far
         self._unlogged: dict[str, Any] = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
+        self._planned_steps: int | None = None  # max_steps as fit_to_time planned it
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
@@ -207,6 +212,9 @@ class Trainer:
         self._elapsed_before = elapsed_before
         self._evaluated_step, self._last_is_current = state.get("evaluated_step"), True
         self._unlogged = state.get("log_window", self._unlogged)
+        self._planned_steps = state.get("planned_steps")
+        if self._planned_steps is not None:
+            self.config = self.config.replace(max_steps=self._planned_steps)
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
     def _start_rng(self) -> None:
@@ -298,7 +306,8 @@ class Trainer:
                 tensorboard_log(self.out_dir, cfg.tensorboard and self.dist.is_main) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
-            while self.step < cfg.max_steps:
+            first_step_done: tuple[int, float] | None = None  # (step, elapsed) after this session's first
+            while self.step < self.config.max_steps:
                 if cfg.max_time is not None and self.dist.any(self._elapsed() >= cfg.max_time):
                     stopped_by = "max_time"
                     break
@@ -308,10 +317,14 @@ class Trainer:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
+                first_step_done = first_step_done or (self.step, self._elapsed())
+                if self._plans_now(first_step_done[0]):
+                    watch.stop()
+                    self._fit_steps_to_time(first_step_done, bar)
                 interrupted = self.dist.any(interrupt.requested)  # all ranks stop at the same step
                 if self.step % cfg.log_interval == 0 or interrupted:
                     self._log_train(window, watch.total, grad_norm, bar)
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self._evaluated_step != self.step:
                     self._evaluate_and_keep_best()
                 if (cfg.save_interval and self.step % cfg.save_interval == 0) or interrupted:
                     self._save_last()
@@ -330,6 +343,36 @@ class Trainer:
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
+
+    def _plans_now(self, first_step: int) -> bool:
+        """fit_to_time plans once, after warmup and after enough steps of this session to time."""
+        cfg = self.config
+        return (cfg.fit_to_time and self._planned_steps is None
+                and self.step >= max(cfg.warmup_steps, first_step + _STEPS_TO_TIME))
+
+    def _fit_steps_to_time(self, first_step_done: tuple[int, float], bar: tqdm) -> None:
+        """Lower max_steps to the steps that end by max_time: with s seconds per step (measured since
+        this session's first step, which pays for warm-up), e seconds per evaluation (one runs now,
+        and is timed) every eval_interval steps, and the final evaluation and saves (about 2e) left
+        out of the time that remains, steps_left = (max_time - elapsed - 2e) / (s + e / eval_interval).
+        Ranks agree on the mean of their plans."""
+        cfg = self.config
+        assert cfg.max_time is not None  # TrainConfig requires it with fit_to_time
+        first_step, first_elapsed = first_step_done
+        per_step = (self._elapsed() - first_elapsed) / (self.step - first_step)
+        start = time.perf_counter()
+        self._evaluate_and_keep_best()
+        per_eval = time.perf_counter() - start
+        per_step_with_evals = per_step + (per_eval / cfg.eval_interval if cfg.eval_interval else 0.0)
+        steps_left = max(0.0, (cfg.max_time - self._elapsed() - 2 * per_eval) / per_step_with_evals)
+        planned = round(self.dist.mean(torch.tensor(self.step + steps_left, device=self.device)).item())
+        self._planned_steps = min(cfg.max_steps, max(self.step, planned))
+        self.config = cfg.replace(max_steps=self._planned_steps)
+        bar.total = self._planned_steps
+        bar.refresh()
+        if self.dist.is_main:
+            print(f"max_steps: {self._planned_steps}, to end by max_time {cfg.max_time:g} s at "
+                  f"{per_step:.3f} s per step and {per_eval:.2f} s per evaluation", file=sys.stderr, flush=True)
 
     def _pauses_after_step(self) -> bool:
         """Whether the loop logs, evaluates or saves after the step just taken."""
@@ -393,7 +436,8 @@ class Trainer:
                            "best_val_loss": self.best_val_loss, "train_loss": self.train_loss,
                            "val_loss": self.val_loss, "elapsed_s": self._elapsed(),
                            "world_size": self.dist.world_size,
-                           "evaluated_step": self._evaluated_step, "log_window": self._window.state()},
+                           "evaluated_step": self._evaluated_step, "log_window": self._window.state(),
+                           "planned_steps": self._planned_steps},
             rng_states=rng_states)
 
 
@@ -453,6 +497,7 @@ def _check_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
     valid = {
         "step": count(state["step"]), "data_position": count(state["data_position"]),
         "evaluated_step": state.get("evaluated_step") is None or count(state["evaluated_step"]),
+        "planned_steps": state.get("planned_steps") is None or count(state["planned_steps"]),
         "elapsed_s": number(state["elapsed_s"]),
         **{k: state[k] is None or number(state[k]) for k in ("best_val_loss", "train_loss", "val_loss")},
         "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
