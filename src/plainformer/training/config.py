@@ -42,19 +42,18 @@ def _check_number(name: str, value: object, *, positive: bool) -> None:
 
 @dataclasses.dataclass
 class TrainConfig(Config):
-    """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off
-    (both still happen at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor
-    in front of the inverse_sqrt formula); `min_lr` is the cosine floor, reached at `decay_steps`
-    (default max_steps). `max_time` (seconds, wall clock, including time spent before a resume) stops
-    training early and gracefully; with `fit_to_time` it also sets the length: at the end of warmup,
-    max_steps is lowered to the steps that end by max_time at the speed measured so far (evaluations
-    and the final save included), so that the schedule has annealed when time is up, on a fast machine
-    or a slow one (kept in the checkpoint: a resume continues that plan). A micro-batch holds `batch_size` rows per process; an optimizer
-    step `batch_size * grad_accum_steps * world_size`. `parallel` picks DDP or FSDP2 under torchrun
-    ("auto": DDP when there is more than one process). `optimizer` "muon" trains the blocks' matrices
-    with Muon at peak rate `muon_lr` (same schedule) and everything else with AdamW (training/optim.py).
-    `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast, float32 elsewhere
-    (training/precision.py)."""
+    """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off (both still happen
+    at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor in front of the inverse_sqrt
+    formula); `min_lr` is the cosine floor, reached at `decay_steps` (default max_steps). `max_time` (seconds,
+    wall clock, including time spent before a resume) stops training early and gracefully; with `fit_to_time` it
+    also sets the length: at the end of warmup, max_steps is lowered to the steps that end by max_time at the
+    speed measured so far (evaluations and the final save included), so that the schedule has annealed when time
+    is up, on a fast machine or a slow one (kept in the checkpoint: a resume continues that plan). A micro-batch
+    holds `batch_size` rows per process; an optimizer step `batch_size * grad_accum_steps * world_size`.
+    `parallel` picks DDP or FSDP2 under torchrun ("auto": DDP when there is more than one process). `optimizer`
+    "muon" trains the blocks' matrices with Muon at peak rate `muon_lr` (same schedule) and everything else with
+    AdamW (training/optim.py). `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast, float32
+    elsewhere (training/precision.py)."""
 
     max_steps: int = 2000
     batch_size: int = 12
