@@ -65,6 +65,9 @@ _TMP_INFIX = ".tmp-"  # DIR's temporary sibling: .{DIR name}.tmp-{pid}-{random}
 
 # The per-parameter state torch's Adam and AdamW keep; other optimizers get the generic checks only.
 _ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+# What each optimizer keeps per parameter once it has stepped (amsgrad's max_exp_avg_sq is allowed besides).
+_KEPT_STATE = {torch.optim.Adam: _ADAM_STATE, torch.optim.AdamW: _ADAM_STATE,
+               torch.optim.Muon: frozenset({"momentum_buffer"})}
 # Param-group flags that choose how this optimizer runs here, not what it learned: kept, not loaded.
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
@@ -342,7 +345,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / OPTIMIZER_META} has no 'param_groups' list")
         groups, params = _param_groups(self.path / OPTIMIZER_META, meta["param_groups"], optimizer)
         state = _optimizer_state(self.path, tensors, meta.get("scalar_state", {}), params,
-                                 adam=isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW))
+                                 _kept_state(optimizer))
         return {"state": state, "param_groups": groups}
 
     @property
@@ -585,11 +588,27 @@ def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:
     return saved
 
 
-def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: Any,
-                     params: Mapping[int, Tensor], *, adam: bool) -> dict[int, dict[str, Any]]:
+def _kept_state(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, frozenset[str]]]:
+    """Parameter index (param_groups order) -> (optimizer name, the state it keeps per parameter), for
+    the optimizers whose state is known: Adam, AdamW, Muon, also as the parts of one that steps several
+    (training.optim.MuonWithAdamW, its `optimizers`)."""
+    kept: dict[int, tuple[str, frozenset[str]]] = {}
+    index = 0
+    for part in getattr(optimizer, "optimizers", [optimizer]):
+        keys = next((k for cls, k in _KEPT_STATE.items() if isinstance(part, cls)), None)
+        for group in part.param_groups:
+            for _ in group["params"]:
+                if keys is not None:
+                    kept[index] = (type(part).__name__, keys)
+                index += 1
+    return kept
+
+
+def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: Any, params: Mapping[int, Tensor],
+                     kept: Mapping[int, tuple[str, frozenset[str]]]) -> dict[int, dict[str, Any]]:
     """{param id: {name: value}} from "state.{id}.{name}" tensors and the JSON scalars, each checked
     against its parameter: a `step` is a float scalar; every other tensor has the parameter's shape
-    and dtype (torch's fused kernels read them unchecked); Adam's state is complete."""
+    and dtype (torch's fused kernels read them unchecked); the state of a parameter in `kept` is complete."""
     file = path / OPTIMIZER
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
@@ -613,9 +632,9 @@ def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: An
             raise CheckpointError(f"{path / OPTIMIZER_META}: 'scalar_state' entry {index!r} must map "
                                   "names to numbers for one of the optimizer's parameters")
         state.setdefault(int(index), {}).update(scalars)
-    if adam:
-        for number, values in state.items():
-            if set(values) - {"max_exp_avg_sq"} != _ADAM_STATE:
-                raise CheckpointError(f"{file}: the state of parameter {number} holds {sorted(values)}; "
-                                      f"Adam keeps {sorted(_ADAM_STATE)}")
+    for number, values in state.items():
+        if number in kept and set(values) - {"max_exp_avg_sq"} != kept[number][1]:
+            name, keys = kept[number]
+            raise CheckpointError(f"{file}: the state of parameter {number} holds {sorted(values)}; "
+                                  f"{name} keeps {sorted(keys)}")
     return state

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .config import PARALLEL
+from .optim import MuonWithAdamW
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a peer before failing
@@ -273,8 +274,9 @@ class Distributed:
         if self.parallel != "fsdp":
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        by_name: dict[str, Any] = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        by_name: dict[str, Any] = get_optimizer_state_dict(self.model, _torch_optimizers(optimizer),
+                                                           options=StateDictOptions(full_state_dict=True,
+                                                                                    cpu_offload=True))
         if not by_name:
             return {}
         index: dict[str, int] = {}
@@ -307,7 +309,7 @@ class Distributed:
         by_name: dict[str, Any] = {"state": {order[i]: value for i, value in state["state"].items()},
                    "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
                                     for group in state["param_groups"]]}
-        set_optimizer_state_dict(self.model, optimizer, by_name,
+        set_optimizer_state_dict(self.model, _torch_optimizers(optimizer), by_name,
                                  options=StateDictOptions(full_state_dict=True))
 
     def gather(self, value: Any) -> list[Any]:
@@ -347,3 +349,9 @@ def run_torchrun(nproc: int, argv: Sequence[str]) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
     return 130 if interrupted else status
+
+
+def _torch_optimizers(optimizer: torch.optim.Optimizer | MuonWithAdamW) -> Any:
+    """What torch.distributed.checkpoint takes: one torch optimizer, or the ones MuonWithAdamW steps
+    (in its param_groups order, AdamW's then Muon's)."""
+    return optimizer.optimizers if isinstance(optimizer, MuonWithAdamW) else optimizer
