@@ -38,6 +38,27 @@ def test_rms_norm_is_computed_in_float32_for_bfloat16_inputs():
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
 
 
+def test_rms_norm_gradients_match_autograd_through_the_hand_computation():
+    """The written-out backward against autograd of the float64 formula, for x and the weight."""
+    torch.manual_seed(0)
+    norm = pf.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    x = (3 * torch.randn(2, 5, 16)).requires_grad_()
+    grad = torch.randn(2, 5, 16)
+    ours = torch.autograd.grad(norm(x), (x, norm.weight), grad)
+    expected = torch.autograd.grad(_hand_rms_norm(x, norm.weight, 1e-5), (x, norm.weight), grad.double())
+    for got, want in zip(ours, expected):
+        assert_close(got, want.float())
+
+
+def test_rms_norm_backward_is_differentiable_in_float64():
+    norm = pf.RMSNorm(8, eps=1e-5).double()
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (x,))
+    assert torch.autograd.gradgradcheck(norm, (x,))
+
+
 def test_rms_norm_gives_unit_root_mean_square_and_ignores_scale():
     norm = pf.RMSNorm(16, eps=0.0).double()
     x = torch.randn(4, 16, dtype=torch.float64)

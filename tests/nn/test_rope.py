@@ -32,6 +32,14 @@ def test_rotation_matches_the_hand_computation(offset):
     assert_close(rope(x, offset=offset), _hand_rope(x, range(offset, offset + 4)).float())
 
 
+def test_gradient_matches_finite_differences_in_float64():
+    """The hand-written backward (the inverse rotation), and its own gradient, against gradcheck."""
+    rope = pf.RotaryEmbedding(8, max_len=16).double()
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: rope(t, offset=3), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: rope(t, offset=3), (x,))
+
+
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(0, 60), n=st.integers(0, 60), shift=st.integers(0, 60), seed=st.integers(0, 2**16))
 def test_scores_depend_only_on_relative_position(m, n, shift, seed):

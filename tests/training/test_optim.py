@@ -10,7 +10,7 @@ import torch
 import plainformer as pf
 from plainformer.io.checkpoint import load_checkpoint
 from plainformer.training.config import TrainConfig
-from plainformer.training.optim import MuonWithAdamW, make_optimizer, set_lr
+from plainformer.training.optim import BatchedMuon, MuonWithAdamW, make_optimizer, set_lr
 from plainformer.training.trainer import Trainer
 from tests.training.test_trainer import fresh_model
 
@@ -72,6 +72,27 @@ def test_with_zero_gradients_each_tensor_only_decays_by_its_own_optimizers_rate(
     for name, p in model.named_parameters():
         factor = 1 - 2.0 * 0.1 if name in BLOCK_MATRICES else 1 - 0.5 * 0.1 if name == "lm_head.weight" else 1
         torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("nesterov, adjust_lr_fn", [(True, None), (False, "match_rms_adamw")])
+def test_batched_muon_steps_exactly_like_torchs_muon(nesterov, adjust_lr_fn):
+    """Same-shaped matrices orthogonalised together (square, wide, tall, one alone) give torch's
+    per-matrix update bit for bit, momentum buffers included, over several steps."""
+    torch.manual_seed(0)
+    shapes = [(32, 32)] * 3 + [(48, 16)] * 2 + [(16, 48), (8, 4)]
+    ours = [torch.nn.Parameter(0.02 * torch.randn(shape)) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    settings = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    batched, reference = BatchedMuon(ours, **settings), torch.optim.Muon(theirs, **settings)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        batched.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert torch.equal(batched.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"])
 
 
 def test_the_schedule_scales_muons_rate_by_muon_lr_over_lr():

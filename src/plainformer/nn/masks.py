@@ -97,6 +97,13 @@ class AttentionMask:
             return self.dense
         return self.dense.to(dtype)
 
+    def additive_for(self, dtype: torch.dtype) -> Tensor | None:
+        """`dense` as an additive mask in `dtype`: 0 where a query may attend, -inf where not."""
+        if self.dense is None or self.dense.dtype != torch.bool:
+            return self.dense_for(dtype)
+        return torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device).masked_fill_(
+            ~self.dense, float("-inf"))
+
 
 NO_MASK = AttentionMask()
 

@@ -101,11 +101,88 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     if not hidden:
         return _adamw(groups, config)
-    muon = torch.optim.Muon([p for p in decay if id(p) in hidden], lr=config.muon_lr,
-                            weight_decay=config.weight_decay)
+    muon = BatchedMuon([p for p in decay if id(p) in hidden], lr=config.muon_lr,
+                       weight_decay=config.weight_decay)
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr
     return MuonWithAdamW(muon, _adamw(groups, config) if groups else None)
+
+
+class BatchedMuon(torch.optim.Muon):
+    """`torch.optim.Muon`, with the Newton–Schulz iteration run once per group of same-shaped matrices
+    (a batch of k × A × B in `torch.baddbmm`) instead of once per matrix.
+
+    The update is torch's (momentum, Nesterov, NewtonSchulz5 in bfloat16, decoupled weight decay, the
+    √max(1, A/B) rate); its state and state dict are torch's, so checkpoints do not tell them apart.
+    On CPU the per-matrix products are small: at the default preset's 28 matrices (16 of 256 × 256,
+    12 of 688 × 256) the iteration takes about half the time batched. Parameters that are not plain
+    tensors (DTensor shards under FSDP) take torch's per-matrix path.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if any(type(p.data) is not torch.Tensor for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            by_shape: dict[tuple[Any, ...], list[int]] = {}
+            for i, p in enumerate(params):
+                by_shape.setdefault((p.shape, p.dtype, p.device), []).append(i)
+            for indices in by_shape.values():
+                self._update([params[i] for i in indices], [grads[i] for i in indices],
+                             [buffers[i] for i in indices], group)
+        return loss
+
+    @staticmethod
+    def _update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
+                group: dict[str, Any]) -> None:
+        """One Muon step for same-shaped matrices θ (A × B), with their gradients and momenta."""
+        momentum, lr = group["momentum"], float(group["lr"])
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)  # B_t = μ B_{t-1} + (1 − μ) g_t
+        updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+        orthogonal = newton_schulz(torch.stack(updates), group["ns_coefficients"], group["ns_steps"],
+                                   group["eps"])
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        rate = lr * _muon_rate_ratio(group["adjust_lr_fn"], *params[0].shape)
+        torch._foreach_add_(params, list(orthogonal.unbind(0)), alpha=-rate)
+
+
+def _muon_rate_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch's Muon rate per matrix shape: √max(1, A/B) ("original", the default), 0.2·√max(A, B)
+    ("match_rms_adamw", Moonshot's), or 1."""
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """NewtonSchulz5 of each matrix in (k, A, B), in bfloat16 as torch's Muon computes it:
+
+        X ← G / ‖G‖_F (on the short side: Gᵀ when A > B),   then `steps` times
+        X ← a X + (b M + c M²) X,   M = X Xᵀ
+
+    which drives the singular values of X towards 1 (U Vᵀ of the SVD G = U Σ Vᵀ, approximately).
+    """
+    a, b, c = coefficients
+    tall = updates.shape[-2] > updates.shape[-1]
+    x = updates.bfloat16()
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # (k, A, A)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
