@@ -53,6 +53,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "muon 0.01 3x320": (dict(n_layers=3, n_heads=5, d_model=320, d_ff=864), dict(optimizer="muon", muon_lr=0.01)),
     "muon 0.01 lr 4e-3": ({}, dict(optimizer="muon", muon_lr=0.01, lr=4e-3)),
     "muon 0.01 batch 32 fp32": ({}, dict(optimizer="muon", muon_lr=0.01, batch_size=32, dtype="float32")),
+    # The third round, after the faster steps of RMSNorm, RoPE and Muon: what the cheaper layers buy.
+    "layernorm": (dict(norm="layernorm"), {}),
+    "learned positions": (dict(pos_encoding="learned"), {}),
+    "layernorm learned": (dict(norm="layernorm", pos_encoding="learned"), {}),
     "float32": ({}, dict(dtype="float32")),
     "bfloat16": ({}, dict(dtype="bfloat16")),
 }
