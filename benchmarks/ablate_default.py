@@ -57,6 +57,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "layernorm": (dict(norm="layernorm"), {}),
     "learned positions": (dict(pos_encoding="learned"), {}),
     "layernorm learned": (dict(norm="layernorm", pos_encoding="learned"), {}),
+    "batch 16": ({}, dict(batch_size=16)),
+    "batch 24": ({}, dict(batch_size=24)),
     "float32": ({}, dict(dtype="float32")),
     "bfloat16": ({}, dict(dtype="bfloat16")),
 }

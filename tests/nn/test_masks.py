@@ -76,6 +76,17 @@ def test_an_additive_mask_stays_additive_and_takes_the_scores_dtype():
     assert_close(dense[1, 0], additive.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_boolean_mask_becomes_additive_zero_where_allowed_and_minus_inf_elsewhere(dtype):
+    padding = torch.tensor([[True, True, False, True], [True, False, True, True]])
+    mask = AttentionMask.build(4, 4, is_causal=True, key_padding_mask=padding)
+    additive = mask.additive_for(dtype)
+    assert additive.dtype == dtype and additive.shape == mask.dense.shape
+    assert torch.equal(additive == 0, mask.dense)
+    assert torch.equal(additive == float("-inf"), ~mask.dense)
+    assert AttentionMask().additive_for(dtype) is None
+
+
 def test_check_masks_names_the_bad_mask():
     with pytest.raises(ValueError, match=r"tgt_key_padding_mask must have shape \(B, m\) = \(2, 4\)"):
         check_masks(2, 3, 4, 4, torch.device("cpu"), key_padding_mask=torch.ones(2, 5, dtype=torch.bool),

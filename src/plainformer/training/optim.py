@@ -12,7 +12,8 @@ attention and feed-forward projections) take Muon instead (Jordan et al. 2024, `
     θ_t = (1 − η_t λ) θ_{t-1} − η_t √max(1, A/B) O_t                              (θ: A × B, λ = weight_decay)
 
 at η_t = lr_t · muon_lr / lr (the same schedule, peak muon_lr); embeddings, the output head, norms and
-biases stay with AdamW, as in the modded-nanoGPT speedruns. torch runs Newton–Schulz in bfloat16.
+biases stay with AdamW, as in the modded-nanoGPT speedruns. Newton–Schulz runs in bfloat16, as in
+torch's Muon, once per group of same-shaped matrices (`BatchedMuon`).
 
 Schedules (W = warmup_steps, T = decay_steps or max_steps):
 
