@@ -238,6 +238,33 @@ def test_fit_to_time_plans_steps_that_end_by_max_time_with_the_schedule_annealed
     assert resumed.config.max_steps == metrics["step"] and again["step"] == metrics["step"]
 
 
+class SlowStart(CountingTokens):
+    """Training batches take slow_s each for the first `slow_batches`, then fast_s: a machine warming up."""
+
+    def __init__(self, slow_batches: int, slow_s: float, fast_s: float):
+        super().__init__()
+        self.slow_batches, self.slow_s, self.fast_s, self.served = slow_batches, slow_s, fast_s, 0
+
+    def get_batch(self, split, index, batch_size):
+        if split == "train":
+            self.delay_s = self.slow_s if self.served < self.slow_batches else self.fast_s
+            self.served += 1
+        return super().get_batch(split, index, batch_size)
+
+
+def test_fit_to_time_plans_again_halfway_from_warm_steps(tmp_path, capsys):
+    # 11 slow steps (two 30 ms micro-batches each) are all the first plan sees; the second plan, from
+    # the steps after it (two 5 ms micro-batches), raises max_steps, and the run goes on past the first.
+    fitted = dict(max_steps=100_000, max_time=6.0, fit_to_time=True, warmup_steps=10, eval_interval=0)
+    _, metrics = train(tmp_path, SlowStart(slow_batches=22, slow_s=0.03, fast_s=0.005), **fitted)
+    plans = [line for line in capsys.readouterr().err.splitlines() if line.startswith("max_steps:")]
+    first, second = (int(line.split()[1].rstrip(",")) for line in plans)
+    assert len(plans) == 2 and "(planned again)" in plans[1] and second > 2 * first
+    assert metrics["step"] > first + 10
+    state = load_checkpoint(tmp_path / "last").trainer_state
+    assert state["planned_steps"] == second
+
+
 def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):
     _, metrics = train(tmp_path, max_steps=40, eval_interval=10, log_interval=5, lr=3e-2, save_interval=20)
     val = read_metrics(tmp_path, "val_loss")

@@ -178,6 +178,10 @@ class Trainer:
         self._last_is_current = False  # last/ holds this step and everything logged so far
         self._unlogged: dict[str, Any] = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
         self._planned_steps: int | None = None  # max_steps as fit_to_time planned it
+        self._step_cap = self.config.max_steps  # what fit_to_time may plan at most
+        self._replan_step: int | None = None  # where fit_to_time plans again, timing warm steps only
+        self._timing_from: tuple[int, float, float] | None = None  # (step, elapsed, evaluation seconds)
+        self._eval_seconds, self._per_eval = 0.0, 0.0  # this session's evaluations (and saves of best/)
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
     @property
@@ -306,7 +310,8 @@ class Trainer:
                 tensorboard_log(self.out_dir, cfg.tensorboard and self.dist.is_main) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
-            first_step_done: tuple[int, float] | None = None  # (step, elapsed) after this session's first
+            # (step, elapsed, evaluation seconds) after this session's first step
+            first_step_done: tuple[int, float, float] | None = None
             while self.step < self.config.max_steps:
                 if cfg.max_time is not None and self.dist.any(self._elapsed() >= cfg.max_time):
                     stopped_by = "max_time"
@@ -317,7 +322,7 @@ class Trainer:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
-                first_step_done = first_step_done or (self.step, self._elapsed())
+                first_step_done = first_step_done or (self.step, self._elapsed(), self._eval_seconds)
                 if self._plans_now(first_step_done[0]):
                     watch.stop()
                     self._fit_steps_to_time(first_step_done, bar)
@@ -345,34 +350,49 @@ class Trainer:
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
 
     def _plans_now(self, first_step: int) -> bool:
-        """fit_to_time plans once, after warmup and after enough steps of this session to time."""
+        """fit_to_time plans after warmup and enough steps of this session to time, then once more
+        halfway to the plan (not in a resumed session, which keeps the plan it resumed)."""
         cfg = self.config
-        return (cfg.fit_to_time and self._planned_steps is None
-                and self.step >= max(cfg.warmup_steps, first_step + _STEPS_TO_TIME))
+        if not cfg.fit_to_time:
+            return False
+        if self._planned_steps is None:
+            return self.step >= max(cfg.warmup_steps, first_step + _STEPS_TO_TIME)
+        return self.step == self._replan_step
 
-    def _fit_steps_to_time(self, first_step_done: tuple[int, float], bar: tqdm) -> None:
-        """Lower max_steps to the steps that end by max_time: with s seconds per step (measured since
-        this session's first step, which pays for warm-up), e seconds per evaluation (one runs now,
-        and is timed) every eval_interval steps, and the final evaluation and saves (about 2e) left
-        out of the time that remains, steps_left = (max_time - elapsed - 2e) / (s + e / eval_interval).
-        Ranks agree on the mean of their plans."""
+    def _fit_steps_to_time(self, first_step_done: tuple[int, float, float], bar: tqdm) -> None:
+        """Set max_steps to the steps that end by max_time: with s seconds per step, e seconds per
+        evaluation every eval_interval steps, and the final evaluation and saves (about 2e) left out of
+        the time that remains, steps_left = (max_time - elapsed - 2e) / (s + e / eval_interval).
+
+        The first plan times the steps since this session's first (which pays for warm-up) and one
+        evaluation, run now; the second, halfway, times the steps since the first plan, evaluations
+        left out. Early steps run slower (memory first touched, kernels first built: 0.36 against
+        0.30 s per step for the default preset here), and machines drift, so the second plan is the
+        better one; it may also raise max_steps, up to the configured cap. Ranks agree on the mean."""
         cfg = self.config
         assert cfg.max_time is not None  # TrainConfig requires it with fit_to_time
-        first_step, first_elapsed = first_step_done
-        per_step = (self._elapsed() - first_elapsed) / (self.step - first_step)
-        start = time.perf_counter()
-        self._evaluate_and_keep_best()
-        per_eval = time.perf_counter() - start
+        since_step, since_elapsed, since_evals = self._timing_from or first_step_done
+        per_step = (self._elapsed() - since_elapsed - (self._eval_seconds - since_evals)) / (self.step - since_step)
+        first = self._planned_steps is None
+        if first:
+            evals_before = self._eval_seconds
+            self._evaluate_and_keep_best()
+            self._per_eval = self._eval_seconds - evals_before
+        per_eval = self._per_eval
         per_step_with_evals = per_step + (per_eval / cfg.eval_interval if cfg.eval_interval else 0.0)
         steps_left = max(0.0, (cfg.max_time - self._elapsed() - 2 * per_eval) / per_step_with_evals)
         planned = round(self.dist.mean(torch.tensor(self.step + steps_left, device=self.device)).item())
-        self._planned_steps = min(cfg.max_steps, max(self.step, planned))
+        self._planned_steps = min(self._step_cap, max(self.step, planned))
         self.config = cfg.replace(max_steps=self._planned_steps)
+        halfway = self.step + (self._planned_steps - self.step) // 2
+        self._replan_step = halfway if first and halfway >= self.step + _STEPS_TO_TIME else None
+        self._timing_from = (self.step, self._elapsed(), self._eval_seconds)
         bar.total = self._planned_steps
         bar.refresh()
         if self.dist.is_main:
-            print(f"max_steps: {self._planned_steps}, to end by max_time {cfg.max_time:g} s at "
-                  f"{per_step:.3f} s per step and {per_eval:.2f} s per evaluation", file=sys.stderr, flush=True)
+            print(f"max_steps: {self._planned_steps}{'' if first else ' (planned again)'}, to end by max_time "
+                  f"{cfg.max_time:g} s at {per_step:.3f} s per step and {per_eval:.2f} s per evaluation",
+                  file=sys.stderr, flush=True)
 
     def _pauses_after_step(self) -> bool:
         """Whether the loop logs, evaluates or saves after the step just taken."""
@@ -410,12 +430,14 @@ class Trainer:
                         **({"moe_viol": f"{moe['max_violation']:.2f}"} if moe else {}))
 
     def _evaluate_and_keep_best(self) -> None:
+        start = time.perf_counter()
         self.val_loss = self.evaluate()
         self._evaluated_step, self._last_is_current = self.step, False
         self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
         if self.best_val_loss is None or self.val_loss < self.best_val_loss:
             self.best_val_loss = self.val_loss
             self._save("best", with_optimizer=False)
+        self._eval_seconds += time.perf_counter() - start
 
     def _save_last(self) -> None:
         self._save("last", with_optimizer=True)
