@@ -48,7 +48,7 @@ def test_rms_norm_gradients_match_autograd_through_the_hand_computation():
     grad = torch.randn(2, 5, 16)
     ours = torch.autograd.grad(norm(x), (x, norm.weight), grad)
     expected = torch.autograd.grad(_hand_rms_norm(x, norm.weight, 1e-5), (x, norm.weight), grad.double())
-    for got, want in zip(ours, expected):
+    for got, want in zip(ours, expected, strict=True):
         assert_close(got, want.float())
 
 

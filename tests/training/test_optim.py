@@ -85,12 +85,12 @@ def test_batched_muon_steps_exactly_like_torchs_muon(nesterov, adjust_lr_fn):
     settings = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     batched, reference = BatchedMuon(ours, **settings), torch.optim.Muon(theirs, **settings)
     for _ in range(3):
-        for p, q in zip(ours, theirs):
+        for p, q in zip(ours, theirs, strict=True):
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
         batched.step()
         reference.step()
-    for p, q in zip(ours, theirs):
+    for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(batched.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"])
 

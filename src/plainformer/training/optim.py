@@ -121,7 +121,7 @@ class BatchedMuon(torch.optim.Muon):
     """
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if any(type(p.data) is not torch.Tensor for g in self.param_groups for p in g["params"]):
             return super().step(closure)
         loss = None
