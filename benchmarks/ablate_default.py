@@ -4,10 +4,10 @@
 
 Each variant is the GPT `default` preset (model shape and training recipe) with a few GPTConfig or
 TrainConfig fields changed. Variants run one at a time, on the bundled Shakespeare characters, each
-for the same wall-time budget: a short calibration run first measures the variant's steps per second,
-then the real run gets max_steps = 0.92 x budget x steps/s (so that its cosine schedule ends just before
-the budget) and max_time = budget as a hard stop. Evaluation and saving happen only at the end (eval_interval 0), on
-the recipe's fixed validation batches. Calibration and that final evaluation are not in the budget.
+for the same wall-time budget, max_time = budget with the recipe's fit_to_time: the trainer times the
+variant's steps, plans the steps that end by the budget (and plans again halfway), so that each cosine
+schedule has annealed when its time is up. Evaluation happens only for the plan and at the end
+(eval_interval 0), on the recipe's fixed validation batches, and is counted in the budget.
 The figure of merit is the validation loss at the end (lower is better); tokens/s is the trainer's.
 Every run starts from the same seed. Output: a table, then one JSON line.
 A variant naming a field the configs do not have (e.g. a feature not built yet) is reported, not run.
@@ -62,20 +62,17 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "float32": ({}, dict(dtype="float32")),
     "bfloat16": ({}, dict(dtype="bfloat16")),
 }
-PLANNING_MARGIN = 0.92
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-time budget per variant")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--calibration-steps", type=int, default=10,
-                        help="steps of the run that measures each variant's speed")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
     args = parser.parse_args(argv)
-    if not args.budget_s > 0 or args.calibration_steps < 2:
-        parser.error("--budget-s must be > 0 and --calibration-steps >= 2")
+    if not args.budget_s > 0:
+        parser.error("--budget-s must be > 0")
     return args
 
 
@@ -93,23 +90,18 @@ def train(model_config: pf.GPTConfig, train_config: TrainConfig, data: pf.LMData
     return {**metrics, "parameters": model.num_parameters()}
 
 
-def run_variant(name: str, data: pf.LMData, budget_s: float, calibration_steps: int, tmp: Path) -> dict:
+def run_variant(name: str, data: pf.LMData, budget_s: float, tmp: Path) -> dict:
     model_changes, train_changes = VARIANTS[name]
     row: dict[str, Any] = {"variant": name, "changes": {**model_changes, **train_changes}}
     missing = missing_fields(model_changes, pf.GPTConfig) + missing_fields(train_changes, TrainConfig)
     if missing:
         return {**row, "skipped": f"no field {', '.join(missing)}"}
     model_config = pf.GPTConfig.from_preset("default", vocab_size=data.tokenizer.vocab_size, **model_changes)
-    recipe = recipes.get("default").train.replace(eval_interval=0, save_interval=0, **train_changes)
-    calibration = train(model_config, recipe.replace(max_steps=calibration_steps, eval_batches=1),
-                        data, tmp / f"{name}-calibration")
-    tokens_per_step = recipe.batch_size * recipe.grad_accum_steps * model_config.block_size
-    # Planned a little short, so that the schedule ends before the hard stop even when the full run is
-    # slower than its calibration (a cut-off run never anneals its learning rate).
-    max_steps = max(1, int(PLANNING_MARGIN * budget_s * calibration["tokens_per_s"] / tokens_per_step))
+    recipe = recipes.get("default").train.replace(eval_interval=0, save_interval=0, max_time=budget_s,
+                                                  fit_to_time=True, **train_changes)
     start = time.perf_counter()
-    metrics = train(model_config, recipe.replace(max_steps=max_steps, max_time=budget_s), data, tmp / name)
-    return {**row, "planned_steps": max_steps, "steps": metrics["step"], "tokens_per_s": metrics["tokens_per_s"],
+    metrics = train(model_config, recipe, data, tmp / name)
+    return {**row, "steps": metrics["step"], "tokens_per_s": metrics["tokens_per_s"],
             "val_loss": metrics["val_loss"], "train_loss": metrics["train_loss"], "dtype": metrics["dtype"],
             "stopped_by": metrics["stopped_by"], "parameters": metrics["parameters"],
             "wall_s": time.perf_counter() - start}
@@ -128,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            rows.append(run_variant(name, data, args.budget_s, args.calibration_steps, Path(tmp)))
+            rows.append(run_variant(name, data, args.budget_s, Path(tmp)))
     print(f"default preset on Shakespeare characters, {args.budget_s:g} s of training per variant, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     header = f"{'variant':<20} {'steps':>6} {'tokens/s':>9} {'val loss':>9} {'dtype':>9} {'stopped by':>11}"
