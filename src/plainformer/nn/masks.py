@@ -62,6 +62,9 @@ class AttentionMask:
     key_padding: Tensor | None = None
     attn_mask: Tensor | None = None
     dense: Tensor | None = None
+    # `additive_for`'s masks by dtype: made once per batch, not once per layer
+    _additive: dict[torch.dtype, Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
 
     @classmethod
     def build(cls, n: int, m: int, *, is_causal: bool = False, cached: int = 0,
@@ -101,8 +104,10 @@ class AttentionMask:
         """`dense` as an additive mask in `dtype`: 0 where a query may attend, -inf where not."""
         if self.dense is None or self.dense.dtype != torch.bool:
             return self.dense_for(dtype)
-        return torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device).masked_fill_(
-            ~self.dense, float("-inf"))
+        if dtype not in self._additive:
+            self._additive[dtype] = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device
+                                                ).masked_fill_(~self.dense, float("-inf"))
+        return self._additive[dtype]
 
 
 NO_MASK = AttentionMask()

@@ -180,7 +180,8 @@ class Trainer:
         self._planned_steps: int | None = None  # max_steps as fit_to_time planned it
         self._step_cap = self.config.max_steps  # what fit_to_time may plan at most
         self._replan_step: int | None = None  # where fit_to_time plans again, timing warm steps only
-        self._timing_from: tuple[int, float, float] | None = None  # (step, elapsed, evaluation seconds)
+        # fit_to_time's clock: (step, elapsed, evaluation seconds) after this session's first step, then at the plan
+        self._timing_from: tuple[int, float, float] | None = None
         self._eval_seconds, self._per_eval = 0.0, 0.0  # this session's evaluations (and saves of best/)
         self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
 
@@ -310,8 +311,6 @@ class Trainer:
                 tensorboard_log(self.out_dir, cfg.tensorboard and self.dist.is_main) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
-            # (step, elapsed, evaluation seconds) after this session's first step
-            first_step_done: tuple[int, float, float] | None = None
             while self.step < self.config.max_steps:
                 if cfg.max_time is not None and self.dist.any(self._elapsed() >= cfg.max_time):
                     stopped_by = "max_time"
@@ -322,10 +321,11 @@ class Trainer:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
-                first_step_done = first_step_done or (self.step, self._elapsed(), self._eval_seconds)
-                if self._plans_now(first_step_done[0]):
+                if self._timing_from is None:
+                    self._timing_from = (self.step, self._elapsed(), self._eval_seconds)
+                if self._plans_now():
                     watch.stop()
-                    self._fit_steps_to_time(first_step_done, bar)
+                    self._fit_steps_to_time(bar)
                 interrupted = self.dist.any(interrupt.requested)  # all ranks stop at the same step
                 if self.step % cfg.log_interval == 0 or interrupted:
                     self._log_train(window, watch.total, grad_norm, bar)
@@ -349,17 +349,18 @@ class Trainer:
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
 
-    def _plans_now(self, first_step: int) -> bool:
+    def _plans_now(self) -> bool:
         """fit_to_time plans after warmup and enough steps of this session to time, then once more
         halfway to the plan (not in a resumed session, which keeps the plan it resumed)."""
         cfg = self.config
         if not cfg.fit_to_time:
             return False
         if self._planned_steps is None:
-            return self.step >= max(cfg.warmup_steps, first_step + _STEPS_TO_TIME)
+            assert self._timing_from is not None  # set after this session's first step
+            return self.step >= max(cfg.warmup_steps, self._timing_from[0] + _STEPS_TO_TIME)
         return self.step == self._replan_step
 
-    def _fit_steps_to_time(self, first_step_done: tuple[int, float, float], bar: tqdm) -> None:
+    def _fit_steps_to_time(self, bar: tqdm) -> None:
         """Set max_steps to the steps that end by max_time: with s seconds per step, e seconds per
         evaluation every eval_interval steps, and the final evaluation and saves (about 2e) left out of
         the time that remains, steps_left = (max_time - elapsed - 2e) / (s + e / eval_interval).
@@ -371,7 +372,8 @@ class Trainer:
         better one; it may also raise max_steps, up to the configured cap. Ranks agree on the mean."""
         cfg = self.config
         assert cfg.max_time is not None  # TrainConfig requires it with fit_to_time
-        since_step, since_elapsed, since_evals = self._timing_from or first_step_done
+        assert self._timing_from is not None  # set after this session's first step
+        since_step, since_elapsed, since_evals = self._timing_from
         per_step = (self._elapsed() - since_elapsed - (self._eval_seconds - since_evals)) / (self.step - since_step)
         first = self._planned_steps is None
         if first:
