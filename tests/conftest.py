@@ -20,3 +20,12 @@ def small_tmpfs(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def pytest_configure(config):
+    # why: pytest-xdist's workers share the machine's cores; one intra-op thread each keeps two
+    # workers on two cores from oversubscribing them (OpenMP threads spin while they wait)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""Tests for plainformer.training.precision: dtype "auto" resolves by what the hardware multiplies fast,
-and the trainer records the resolved dtype in its log, checkpoint and metrics."""
+"""Tests for plainformer.training.precision: dtype "auto" resolves by what the hardware multiplies fast and
+how wide the model is, and the trainer records the resolved dtype in its log, checkpoint and metrics."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from plainformer.io.checkpoint import load_checkpoint
+from plainformer.models.bert import BertConfig, BertForMaskedLM
+from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.training import precision
 from plainformer.training.config import TrainConfig
-from plainformer.training.precision import resolve_dtype
+from plainformer.training.precision import MIN_BF16_WIDTH, model_width, resolve_dtype
 from plainformer.training.trainer import Trainer
-from tests.training.test_trainer import CountingTokens, fresh_model, small_config
+from tests.training.test_trainer import CountingTokens, TinyConfig, TinyLM, small_config
 
 
 @pytest.fixture
@@ -30,6 +32,23 @@ def test_auto_is_float32_on_a_cpu_without_amx(amx):
 def test_auto_is_bfloat16_on_a_cpu_with_amx(amx):
     amx(True)
     assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")
+
+
+@pytest.mark.parametrize("width, expected", [
+    (None, ("bfloat16", "AMX on this CPU")),
+    (MIN_BF16_WIDTH, ("bfloat16", "AMX on this CPU")),
+    (MIN_BF16_WIDTH - 1, ("float32", f"d_model {MIN_BF16_WIDTH - 1} too narrow for bf16 to pay on a CPU")),
+])
+def test_auto_keeps_a_narrow_model_in_float32_even_with_amx(amx, width, expected):
+    amx(True)
+    assert resolve_dtype("auto", "cpu", width) == expected
+    assert resolve_dtype("bfloat16", "cpu", width) == ("bfloat16", "as configured")
+
+
+def test_the_width_is_the_models_d_model():
+    assert model_width(GPT(GPTConfig(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=64))) == 64
+    assert model_width(BertForMaskedLM(BertConfig(vocab_size=11, n_layers=1, n_heads=2, d_model=32, d_ff=64))) == 32
+    assert model_width(torch.nn.Linear(512, 512)) is None
 
 
 @pytest.mark.parametrize("present", [True, False])
@@ -49,10 +68,16 @@ def test_auto_is_the_default_dtype():
     assert TrainConfig().dtype == "auto"
 
 
-@pytest.mark.parametrize("present, expected", [(False, "float32"), (True, "bfloat16")])
-def test_trainer_logs_checkpoints_and_reports_the_resolved_dtype(tmp_path, amx, capsys, present, expected):
+@pytest.mark.parametrize("present, d_model, expected, reason", [
+    (False, MIN_BF16_WIDTH, "float32", "no AMX on this CPU"),
+    (True, MIN_BF16_WIDTH, "bfloat16", "AMX on this CPU"),
+    (True, 8, "float32", "d_model 8 too narrow for bf16 to pay on a CPU"),
+])
+def test_trainer_logs_checkpoints_and_reports_the_resolved_dtype(tmp_path, amx, capsys, present, d_model, expected,
+                                                                 reason):
     amx(present)
-    model = fresh_model()
+    torch.manual_seed(0)
+    model = TinyLM(TinyConfig(d_model=d_model))
     seen = []
     model.fc1.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     trainer = Trainer(model, CountingTokens(), small_config(dtype="auto", max_steps=2), tmp_path,
@@ -61,7 +86,6 @@ def test_trainer_logs_checkpoints_and_reports_the_resolved_dtype(tmp_path, amx, 
 
     assert set(seen) == {getattr(torch, expected)}
     assert metrics["dtype"] == expected
-    reason = "AMX on this CPU" if present else "no AMX on this CPU"
     assert capsys.readouterr().err.count(f"dtype: {expected} ({reason})") == 1
     for name in ("last", "best"):
         assert load_checkpoint(tmp_path / name).train_config["dtype"] == expected

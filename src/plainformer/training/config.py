@@ -53,8 +53,8 @@ class TrainConfig(Config):
     holds `batch_size` rows per process; an optimizer step `batch_size * grad_accum_steps * world_size`.
     `parallel` picks DDP or FSDP2 under torchrun ("auto": DDP when there is more than one process). `optimizer`
     "muon" trains the blocks' matrices with Muon at peak rate `muon_lr` (same schedule) and everything else with
-    AdamW (training/optim.py). `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast, float32
-    elsewhere (training/precision.py)."""
+    AdamW (training/optim.py). `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast (on a CPU:
+    for a model at least 128 wide), float32 elsewhere (training/precision.py)."""
 
     max_steps: int = 2000
     batch_size: int = 12

@@ -43,7 +43,7 @@ from .distributed import Distributed, process_group
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
-from .precision import resolve_dtype
+from .precision import model_width, resolve_dtype
 from .tensorboard import tensorboard_log
 
 
@@ -160,7 +160,7 @@ class Trainer:
         self._wrapped = self.dist.wrap(model)
         self.device = next(model.parameters()).device
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
-        dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device)
+        dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device, model_width(model))
         self.config = config = config.replace(dtype=dtype)
         # MuonWithAdamW is not an Optimizer subclass but has the interface the trainer and checkpoints use.
         self.optimizer = cast(torch.optim.Optimizer, make_optimizer(model, config))
