@@ -9,8 +9,9 @@ import torch
 
 import plainformer as pf
 from plainformer.io.checkpoint import load_checkpoint
+from plainformer.training import precision
 from plainformer.training.config import TrainConfig
-from plainformer.training.optim import BatchedMuon, MuonWithAdamW, make_optimizer, set_lr
+from plainformer.training.optim import BatchedMuon, MuonWithAdamW, make_optimizer, newton_schulz, set_lr
 from plainformer.training.trainer import Trainer
 from tests.training.test_trainer import fresh_model
 
@@ -93,6 +94,34 @@ def test_batched_muon_steps_exactly_like_torchs_muon(nesterov, adjust_lr_fn):
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(batched.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"])
+
+
+def _newton_schulz_float64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """NewtonSchulz5 of one matrix by hand in float64, with torch's Muon coefficients."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double().T if g.shape[0] > g.shape[1] else g.double()
+    x = x / x.norm()
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (2, 48, 16), (2, 16, 48)])
+def test_newton_schulz_in_float32_matches_float64_by_hand(shape):
+    torch.manual_seed(0)
+    updates = torch.randn(shape)
+    ours = newton_schulz(updates, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    assert ours.dtype == torch.float32
+    for matrix, update in zip(ours, updates, strict=True):
+        torch.testing.assert_close(matrix.double(), _newton_schulz_float64(update), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("amx, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_newton_schulz_runs_in_bf16_only_where_bf16_matmuls_are_native(monkeypatch, amx, expected):
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    _, muon = make_optimizer(tiny_gpt(tie_weights=True), muon_config()).optimizers
+    assert muon.ns_dtype == expected
 
 
 def test_the_schedule_scales_muons_rate_by_muon_lr_over_lr():

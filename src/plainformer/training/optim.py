@@ -12,8 +12,9 @@ attention and feed-forward projections) take Muon instead (Jordan et al. 2024, `
     θ_t = (1 − η_t λ) θ_{t-1} − η_t √max(1, A/B) O_t                              (θ: A × B, λ = weight_decay)
 
 at η_t = lr_t · muon_lr / lr (the same schedule, peak muon_lr); embeddings, the output head, norms and
-biases stay with AdamW, as in the modded-nanoGPT speedruns. Newton–Schulz runs in bfloat16, as in
-torch's Muon, once per group of same-shaped matrices (`BatchedMuon`).
+biases stay with AdamW, as in the modded-nanoGPT speedruns. Newton–Schulz runs once per group of
+same-shaped matrices (`BatchedMuon`), in bfloat16 as in torch's Muon where bf16 matmuls are native (a CPU
+with AMX, a CUDA device with bf16), in float32 elsewhere, where bf16 would multiply at about half the rate.
 
 Schedules (W = warmup_steps, T = decay_steps or max_steps):
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from .. import _checks
 from .config import TrainConfig
+from .precision import resolve_dtype
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -102,8 +104,9 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     if not hidden:
         return _adamw(groups, config)
+    native = resolve_dtype("auto", next(model.parameters()).device)[0]  # what the hardware multiplies fast
     muon = BatchedMuon([p for p in decay if id(p) in hidden], lr=config.muon_lr,
-                       weight_decay=config.weight_decay)
+                       weight_decay=config.weight_decay, ns_dtype=getattr(torch, native))
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr
     return MuonWithAdamW(muon, _adamw(groups, config) if groups else None)
@@ -111,14 +114,20 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
 
 class BatchedMuon(torch.optim.Muon):
     """`torch.optim.Muon`, with the Newton–Schulz iteration run once per group of same-shaped matrices
-    (a batch of k × A × B in `torch.baddbmm`) instead of once per matrix.
+    (a batch of k × A × B in `torch.baddbmm`) instead of once per matrix, in `ns_dtype`.
 
-    The update is torch's (momentum, Nesterov, NewtonSchulz5 in bfloat16, decoupled weight decay, the
-    √max(1, A/B) rate); its state and state dict are torch's, so checkpoints do not tell them apart.
-    On CPU the per-matrix products are small: at the default preset's 28 matrices (16 of 256 × 256,
-    12 of 688 × 256) the iteration takes about half the time batched. Parameters that are not plain
-    tensors (DTensor shards under FSDP) take torch's per-matrix path.
+    The update is torch's (momentum, Nesterov, NewtonSchulz5, decoupled weight decay, the √max(1, A/B)
+    rate), and with ns_dtype bfloat16 (torch's) bit for bit; its state and state dict are torch's, so
+    checkpoints do not tell them apart. On CPU the per-matrix products are small: at the default preset's
+    28 matrices (16 of 256 × 256, 12 of 688 × 256) the iteration takes about half the time batched.
+    Without AMX, bf16 matmuls run at about half the fp32 rate, and the iteration (~21 GFLOP a step at the
+    default preset, half the forward and backward's) is faster in float32. Parameters that are not plain
+    tensors (DTensor shards under FSDP) take torch's per-matrix path, in bfloat16.
     """
+
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -141,15 +150,14 @@ class BatchedMuon(torch.optim.Muon):
                              [buffers[i] for i in indices], group)
         return loss
 
-    @staticmethod
-    def _update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
                 group: dict[str, Any]) -> None:
         """One Muon step for same-shaped matrices θ (A × B), with their gradients and momenta."""
         momentum, lr = group["momentum"], float(group["lr"])
         torch._foreach_lerp_(buffers, grads, 1 - momentum)  # B_t = μ B_{t-1} + (1 − μ) g_t
         updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
         orthogonal = newton_schulz(torch.stack(updates), group["ns_coefficients"], group["ns_steps"],
-                                   group["eps"])
+                                   group["eps"], self.ns_dtype)
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         rate = lr * _muon_rate_ratio(group["adjust_lr_fn"], *params[0].shape)
         torch._foreach_add_(params, list(orthogonal.unbind(0)), alpha=-rate)
@@ -166,8 +174,8 @@ def _muon_rate_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
 
 
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float) -> torch.Tensor:
-    """NewtonSchulz5 of each matrix in (k, A, B), in bfloat16 as torch's Muon computes it:
+                  eps: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """NewtonSchulz5 of each matrix in (k, A, B), in `dtype` (torch's Muon: bfloat16), as torch computes it:
 
         X ← G / ‖G‖_F (on the short side: Gᵀ when A > B),   then `steps` times
         X ← a X + (b M + c M²) X,   M = X Xᵀ
@@ -176,7 +184,7 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
     """
     a, b, c = coefficients
     tall = updates.shape[-2] > updates.shape[-1]
-    x = updates.bfloat16()
+    x = updates.to(dtype)
     if tall:
         x = x.mT
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
