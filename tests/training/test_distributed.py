@@ -28,6 +28,7 @@ from plainformer.data.lm import LMBatchSource
 from plainformer.io.checkpoint import load_checkpoint
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.nn.moe import MoEFeedForward
+from plainformer.training import precision
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -79,13 +80,21 @@ def _train(out: Path, *, resume: bool = False, moe: bool = False, **overrides) -
 JOBS = [("ddp", dict(parallel="ddp")), ("ddp_accum", dict(parallel="ddp", grad_accum_steps=2)),
         ("fsdp", dict(parallel="fsdp")), ("fsdp_accum", dict(parallel="fsdp", grad_accum_steps=2)),
         ("ddp_split", dict(parallel="ddp")), ("fsdp_split", dict(parallel="fsdp")),
-        ("ddp_moe", dict(parallel="ddp", moe=True))]
+        ("ddp_moe", dict(parallel="ddp", moe=True)),
+        ("ddp_muon", dict(parallel="ddp", optimizer="muon")), ("fsdp_muon", dict(parallel="fsdp", optimizer="muon"))]
+
+
+def _newton_schulz_in_float32() -> None:
+    """Report no AMX, so that Muon's Newton-Schulz runs in float32 on any machine: in bf16 a last-bit
+    difference of a reduced gradient can round a product the other way, beyond the tests' 1e-5."""
+    precision.cpu_has_amx = lambda: False
 
 
 def _two_process_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    _newton_schulz_in_float32()
     with process_group(timeout_s=60):
         for name, overrides in JOBS:
             out = Path(root) / name
@@ -119,6 +128,12 @@ def runs(tmp_path_factory) -> Path:
     tmp.start_processes(_two_process_worker, args=(_free_port(), str(root)), nprocs=WORLD,
                         start_method="spawn")
     torch.set_num_threads(1)
+    real_probe = precision.cpu_has_amx
+    _newton_schulz_in_float32()
+    try:
+        _train(root / "ref_muon", batch_size=WORLD * B, optimizer="muon")
+    finally:
+        precision.cpu_has_amx = real_probe
     _train(root / "ref", batch_size=WORLD * B)
     _train(root / "ref_accum", batch_size=WORLD * B, grad_accum_steps=2)
     _train(root / "ref_moe", batch_size=WORLD * B, moe=True)
@@ -164,7 +179,13 @@ def test_a_moe_model_with_an_expert_that_gets_no_tokens_trains_under_ddp(runs):
     assert loads and all(layer[3] == 0 for step in loads for layer in step)
 
 
-@pytest.mark.parametrize("run", ["ddp", "ddp_accum", "ddp_moe"])
+@pytest.mark.parametrize("run", ["ddp_muon", "fsdp_muon"])
+def test_muon_in_two_processes_matches_one_process(runs, run):
+    # Under FSDP Newton-Schulz multiplies DTensor shards, gathered where a product needs them.
+    _assert_same_run(runs / run, runs / "ref_muon")
+
+
+@pytest.mark.parametrize("run", ["ddp", "ddp_accum", "ddp_moe", "ddp_muon"])
 def test_ddp_ranks_hold_identical_parameters(runs, run):
     rank0, rank1 = (load_file(runs / run / f"rank{r}.safetensors") for r in range(WORLD))
     for name in rank0.keys() - {"next_draw"}:

@@ -121,8 +121,9 @@ class BatchedMuon(torch.optim.Muon):
     checkpoints do not tell them apart. On CPU the per-matrix products are small: at the default preset's
     28 matrices (16 of 256 × 256, 12 of 688 × 256) the iteration takes about half the time batched.
     Without AMX, bf16 matmuls run at about half the fp32 rate, and the iteration (~21 GFLOP a step at the
-    default preset, half the forward and backward's) is faster in float32. Parameters that are not plain
-    tensors (DTensor shards under FSDP) take torch's per-matrix path, in bfloat16.
+    default preset, half the forward and backward's) is faster in float32. Under FSDP the parameters are
+    DTensor shards of their matrices, and the same code runs on them: DTensor stacks them, gathers what the
+    products need, and returns each update sharded like its parameter.
     """
 
     def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
@@ -131,8 +132,6 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        if any(type(p.data) is not torch.Tensor for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -144,7 +143,7 @@ class BatchedMuon(torch.optim.Muon):
             self._init_group(group, params, grads, buffers)
             by_shape: dict[tuple[Any, ...], list[int]] = {}
             for i, p in enumerate(params):
-                by_shape.setdefault((p.shape, p.dtype, p.device), []).append(i)
+                by_shape.setdefault((p.shape, p.dtype, p.device, getattr(p, "placements", None)), []).append(i)
             for indices in by_shape.values():
                 self._update([params[i] for i in indices], [grads[i] for i in indices],
                              [buffers[i] for i in indices], group)
