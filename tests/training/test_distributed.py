@@ -84,17 +84,17 @@ JOBS = [("ddp", dict(parallel="ddp")), ("ddp_accum", dict(parallel="ddp", grad_a
         ("ddp_muon", dict(parallel="ddp", optimizer="muon")), ("fsdp_muon", dict(parallel="fsdp", optimizer="muon"))]
 
 
-def _newton_schulz_in_float32() -> None:
-    """Report no AMX, so that Muon's Newton-Schulz runs in float32 on any machine: in bf16 a last-bit
-    difference of a reduced gradient can round a product the other way, beyond the tests' 1e-5."""
-    precision.cpu_has_amx = lambda: False
+def _no_amx() -> bool:
+    """The AMX probe of these runs, so that Muon's Newton-Schulz runs in float32 on any machine: in bf16 a
+    last-bit difference of a reduced gradient can round a product the other way, beyond the tests' 1e-5."""
+    return False
 
 
 def _two_process_worker(rank: int, port: int, root: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    _newton_schulz_in_float32()
+    precision.cpu_has_amx = _no_amx
     with process_group(timeout_s=60):
         for name, overrides in JOBS:
             out = Path(root) / name
@@ -128,12 +128,9 @@ def runs(tmp_path_factory) -> Path:
     tmp.start_processes(_two_process_worker, args=(_free_port(), str(root)), nprocs=WORLD,
                         start_method="spawn")
     torch.set_num_threads(1)
-    real_probe = precision.cpu_has_amx
-    _newton_schulz_in_float32()
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precision, "cpu_has_amx", _no_amx)
         _train(root / "ref_muon", batch_size=WORLD * B, optimizer="muon")
-    finally:
-        precision.cpu_has_amx = real_probe
     _train(root / "ref", batch_size=WORLD * B)
     _train(root / "ref_accum", batch_size=WORLD * B, grad_accum_steps=2)
     _train(root / "ref_moe", batch_size=WORLD * B, moe=True)
