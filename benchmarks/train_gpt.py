@@ -18,7 +18,9 @@ ratio = ours / peer in tokens/s (higher is better).
 
 MFU: model FLOPs per step = 6·N·tokens + 12·L·d_model·T·tokens (the attention scores and weighted sum,
 counted without causal savings as in PaLM's appendix B), N = parameters without the position table.
-It is divided by the matmul throughput the script measures first (fp32 and bf16, square matmuls).
+It is divided by the matmul throughput the script measures before and after the runs (fp32 and bf16,
+square matmuls), the better of the two: a shared machine's speed drifts, and one slow probe would
+flatter the MFU.
 Memory: the extra peak bytes of torch's CPU allocator during one training step (activations, gradients
 and temporaries beyond the weights and optimizer state; `attention.extra_peak_bytes`), untimed.
 Output: a table, then one JSON line with every figure.
@@ -74,6 +76,11 @@ def matmul_flops_per_s(dtype: torch.dtype, size: int = 1024, seconds: float = 1.
         torch.mm(a, b)
         best = max(best, 2 * size**3 / (time.perf_counter() - start))
     return best
+
+
+def matmul_peak() -> dict[str, float]:
+    """The measured matmul throughput of each of DTYPES, FLOP/s."""
+    return {"fp32": matmul_flops_per_s(torch.float32), "bf16": matmul_flops_per_s(torch.bfloat16)}
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable,
@@ -135,14 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    peak = {"fp32": matmul_flops_per_s(torch.float32), "bf16": matmul_flops_per_s(torch.bfloat16)}
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads; measured matmul peak: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, "
-          f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s")
+    before = matmul_peak()
     print("ours: plainformer.GPT, attention 'auto' (torch sdpa; in bf16 with <= 512 keys our math path), "
           "optimizer from training.make_optimizer (fused AdamW), no torch.compile; "
           "peer: GPT2LMHeadModel(sdpa), torch.optim.AdamW defaults (for-loop on CPU)")
     rows = [measure(name, SHAPES[name], dtype, args) for name in args.shapes for dtype in args.dtypes]
+    after = matmul_peak()
+    peak = {dtype: max(before[dtype], after[dtype]) for dtype in DTYPES}
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+          f"measured matmul peak, the better of before / after the runs: "
+          + ", ".join(f"{d} {peak[d] / 1e9:.0f} GFLOP/s ({before[d] / 1e9:.0f} / {after[d] / 1e9:.0f})"
+                      for d in DTYPES))
     header = f"{'shape':<12} {'dtype':<5} {'batch':<7} {'ours tok/s':>11} {'peer tok/s':>11} " \
              f"{'ratio':>6} {'ours MFU':>9} {'peer MFU':>9} {'peak MiB ours/peer':>19}"
     print(header)
@@ -155,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['peer_mfu']:>8.1%} {row['ours_peak_mib']:>9.0f}/{row['peer_peak_mib']:<9.0f}")
     print("ratio = ours / peer tokens/s (higher is better); MFU against the measured matmul peak of the dtype")
     print(json.dumps({"benchmark": "train_gpt", "threads": torch.get_num_threads(),
-                      "peak_flops": peak, "repeats": args.repeats, "steps": args.steps, "rows": rows}))
+                      "peak_flops": peak, "peak_flops_before": before, "peak_flops_after": after,
+                      "repeats": args.repeats, "steps": args.steps, "rows": rows}))
 
 
 if __name__ == "__main__":
