@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import _checks
 from .config import TrainConfig
-from .precision import resolve_dtype
+from .precision import native_bf16
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -104,9 +104,9 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     if not hidden:
         return _adamw(groups, config)
-    native = resolve_dtype("auto", next(model.parameters()).device)[0]  # what the hardware multiplies fast
-    muon = BatchedMuon([p for p in decay if id(p) in hidden], lr=config.muon_lr,
-                       weight_decay=config.weight_decay, ns_dtype=getattr(torch, native))
+    native, _ = native_bf16(next(model.parameters()).device)
+    muon = BatchedMuon([p for p in decay if id(p) in hidden], lr=config.muon_lr, weight_decay=config.weight_decay,
+                       ns_dtype=torch.bfloat16 if native else torch.float32)
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr
     return MuonWithAdamW(muon, _adamw(groups, config) if groups else None)

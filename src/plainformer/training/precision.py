@@ -37,19 +37,25 @@ def model_width(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "d_model", None)
 
 
+def native_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether `device` multiplies bf16 natively (faster than fp32), and why, for the log."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return (True, "AMX on this CPU") if cpu_has_amx() else (False, "no AMX on this CPU")
+    if device.type == "cuda":
+        return ((True, "native bf16 on this CUDA device") if cuda_has_bf16(device)
+                else (False, "no native bf16 on this CUDA device"))
+    return False, f"no known fast bf16 on {device.type}"
+
+
 def resolve_dtype(config_dtype: str, device: torch.device | str, width: int | None = None) -> tuple[str, str]:
     """"float32" | "bfloat16" | "auto" on `device` for a model of `width` (None: unknown, taken as wide)
     -> (dtype the run trains in, why, for the log)."""
     if config_dtype != "auto":
         return config_dtype, "as configured"
-    device = torch.device(device)
-    if device.type == "cpu":
-        if not cpu_has_amx():
-            return "float32", "no AMX on this CPU"
-        if width is not None and width < MIN_BF16_WIDTH:
-            return "float32", f"d_model {width} too narrow for bf16 to pay on a CPU"
-        return "bfloat16", "AMX on this CPU"
-    if device.type == "cuda":
-        return (("bfloat16", "native bf16 on this CUDA device") if cuda_has_bf16(device)
-                else ("float32", "no native bf16 on this CUDA device"))
-    return "float32", f"no known fast bf16 on {device.type}"
+    native, why = native_bf16(device)
+    if not native:
+        return "float32", why
+    if torch.device(device).type == "cpu" and width is not None and width < MIN_BF16_WIDTH:
+        return "float32", f"d_model {width} too narrow for bf16 to pay on a CPU"
+    return "bfloat16", why
