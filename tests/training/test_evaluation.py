@@ -37,7 +37,8 @@ def _loss_window_by_window(model: pf.GPT, tokens: np.ndarray, block: int) -> tup
     return total / count, count
 
 
-@pytest.mark.parametrize("length", [9, 17, 30])  # one window; two exactly; three and a ragged tail
+# shorter than one window (2, 5, 8 tokens); one window; two exactly; three and a ragged tail
+@pytest.mark.parametrize("length", [2, 5, 8, 9, 17, 30])
 @pytest.mark.parametrize("batch_size", [1, 2, 16])
 def test_validation_loss_matches_a_float64_loop_over_windows(gpt, length, batch_size):
     tokens = np.random.default_rng(length).integers(0, 11, length)

@@ -41,20 +41,21 @@ def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch
         raise ValueError(f"the validation split has {len(tokens)} token(s); next-token loss needs at least 2: "
                          "give more text (or a larger validation share)")
     n_full = (len(tokens) - 1) // block_size
-    full = np.asarray(tokens[:n_full * block_size + 1], dtype=np.int64)
-    windows = np.lib.stride_tricks.sliding_window_view(full, block_size + 1)[::block_size]  # (W, T + 1)
-    chunks = [windows[i:i + batch_size] for i in range(0, n_full, batch_size)]
-    tail = np.asarray(tokens[n_full * block_size:], dtype=np.int64)
-    if len(tail) > 1:
-        chunks.append(tail[None])  # (1, < T + 1)
+    scored = n_full * block_size  # tokens predicted in full windows
+    inputs = np.asarray(tokens[:scored], dtype=np.int64).reshape(n_full, block_size)  # (W, T)
+    targets = np.asarray(tokens[1:scored + 1], dtype=np.int64).reshape(n_full, block_size)  # (W, T)
+    chunks = [(inputs[i:i + batch_size], targets[i:i + batch_size]) for i in range(0, n_full, batch_size)]
+    if len(tokens) - 1 > scored:  # a last, shorter window: (1, < T)
+        chunks.append((np.asarray(tokens[scored:-1], dtype=np.int64)[None],
+                       np.asarray(tokens[scored + 1:], dtype=np.int64)[None]))
     total, count = 0.0, 0
     with evaluating(model):
-        for chunk in chunks:
-            batch = torch.from_numpy(np.array(chunk))  # (B, T + 1), a writable copy
-            logits = model(batch[:, :-1])[0]  # (B, T, V)
+        for chunk_inputs, chunk_targets in chunks:
+            logits = model(torch.from_numpy(np.array(chunk_inputs)))[0]  # (B, T, V); np.array: a writable copy
+            expected = torch.from_numpy(np.array(chunk_targets))  # (B, T)
             total += float(torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
-            count += batch[:, 1:].numel()
+                logits.float().flatten(0, 1), expected.flatten(), reduction="sum"))
+            count += expected.numel()
     return total / count, count
 
 
