@@ -4,6 +4,7 @@ errors."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -55,7 +56,7 @@ def test_embed_prints_only_one_array_per_text(capsys, encoder):
 
 
 def test_embed_reads_stdin_lines_and_writes_a_matrix(capsys, monkeypatch, tmp_path, encoder):
-    monkeypatch.setattr("sys.stdin", iter([text + "\n" for text in TEXTS]))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("".join(t + "\n" for t in TEXTS).encode())))
     code, lines, err = run_cli(capsys, "embed", "--npy", str(tmp_path / "e.npy"))
     assert code == 0 and lines == []
     assert last_json(err)["sentences"] == 2

@@ -57,10 +57,17 @@ def test_translate_prints_only_the_translations(copy_run, capsys, monkeypatch):
     status, lines, err = _run(capsys, "translate", "--ckpt", str(out / "best"), "--beam", "4", "jihgfedcba")
     assert status == 0 and lines == ["jihgfedcba"]
     assert json.loads(err.strip().splitlines()[-1])["sentences"] == 1
-    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\n\ncab\n"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\n\ncab\r\n")))
     status, lines, _ = _run(capsys, "translate", "--ckpt", str(out), "--json")
     assert status == 0 and lines[:3] == ["abc", "", "cab"] and json.loads(lines[3])["sentences"] == 3
     assert len(lines) == 4
+
+
+def test_translate_refuses_input_that_is_not_utf8_in_one_line(copy_run, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\ncaf\xe9\n")))
+    status, lines, err = _run(capsys, "translate", "--ckpt", str(copy_run[0]))
+    assert status == 2 and lines == []
+    assert err.strip() == "plainformer: error: standard input is not UTF-8 text (byte offset 7)"
 
 
 @pytest.mark.parametrize("argv", [

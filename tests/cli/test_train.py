@@ -81,3 +81,10 @@ def test_a_config_file_value_of_the_wrong_type_names_the_file_and_the_key(tmp_pa
     path.write_text(line + "\n")
     with pytest.raises(UserError, match=message):
         read_config_file(path)
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"preset: default\nlr: 0.001 \xe9\n")
+    with pytest.raises(UserError, match=r"c\.yaml is not UTF-8 text \(byte offset 26\)"):
+        read_config_file(path)

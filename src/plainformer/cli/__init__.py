@@ -109,6 +109,19 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
+def utf8_text(raw: bytes, what: str) -> str:
+    """`raw` decoded as UTF-8 (a leading BOM dropped), or a UserError naming `what` and the first bad byte."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{what} is not UTF-8 text (byte offset {error.start})") from None
+
+
+def stdin_lines() -> list[str]:
+    """The lines of standard input, without their line ends: the input of `translate` and `embed`."""
+    return utf8_text(sys.stdin.buffer.read(), "standard input").splitlines()
+
+
 def log(message: str) -> None:
     """A line on stderr, from rank 0 only under torchrun."""
     if is_main_process():

@@ -35,6 +35,8 @@ from . import (
     checkpoint_dir,
     log,
     positive_int,
+    stdin_lines,
+    utf8_text,
 )
 from .train import Run, add_train_arguments, fit
 
@@ -214,7 +216,7 @@ def _save_npy(path: Path, matrix: np.ndarray) -> None:
 
 
 def run_embed(args: argparse.Namespace) -> dict[str, Any]:
-    texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
+    texts = args.texts or stdin_lines()
     if args.npy is not None and args.npy.suffix != ".npy":
         raise UserError(f"--npy must name a .npy file, got {args.npy}")
     encoder = _load_encoder(args.model)
@@ -260,11 +262,7 @@ def _corpus_lines(path: Path) -> tuple[list[str], bytes]:
     if not path.is_file():
         raise UserError(f"corpus file not found: {path}")
     raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise UserError(f"corpus {path} is not UTF-8 text (byte offset {err.start})") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in utf8_text(raw, f"corpus {path}").splitlines() if line.strip()]
     if not lines:
         raise UserError(f"corpus {path} has no non-empty line")
     return lines, raw

@@ -30,6 +30,7 @@ from . import (
     positive_int,
     run_and_checkpoint,
     set_threads,
+    stdin_lines,
 )
 from .train import Run, add_train_arguments, fit
 
@@ -147,7 +148,7 @@ def _register_translate(subcommands: argparse._SubParsersAction) -> None:
 def run_translate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
-    lines = [args.text] if args.text is not None else [line.rstrip("\n") for line in sys.stdin]
+    lines = [args.text] if args.text is not None else stdin_lines()
     start = time.perf_counter()
     translations = model.translate(lines, beam_size=args.beam, length_penalty=args.length_penalty)
     elapsed = time.perf_counter() - start

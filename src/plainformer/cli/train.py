@@ -33,7 +33,7 @@ from ..models.gpt import GPTConfig
 from ..models.transformer import TransformerConfig
 from ..training.config import TrainConfig
 from ..training.trainer import Trainer
-from . import UserError, add_config_arguments, field_type, log, positive_int, set_threads
+from . import UserError, add_config_arguments, field_type, log, positive_int, set_threads, utf8_text
 
 RECIPE_FILE = "recipe.yaml"
 ConfigT = TypeVar("ConfigT", bound=Config)
@@ -190,7 +190,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """The values of a YAML or JSON file of flags, keys normalised to field names (n-layers -> n_layers)."""
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    text = utf8_text(path.read_bytes(), str(path))
     if path.suffix == ".json":
         try:
             values = json.loads(text)
