@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plainformer as pf
 from plainformer.config import Config
 from plainformer.io.checkpoint import CheckpointError, load_checkpoint
 from plainformer.io.run_lock import RunDirectoryBusy
@@ -280,6 +281,15 @@ def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):
     assert last.family == "tiny-lm" and last.model_config == TinyConfig().to_dict()
     assert last.train_config == small_config(max_steps=40, eval_interval=10, log_interval=5, lr=3e-2,
                                              save_interval=20).to_dict()
+
+
+def test_flash_attention_with_dropout_is_refused_before_training_starts(tmp_path):
+    config = pf.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layers=1, n_heads=2, d_model=8, d_ff=16,
+                          backend="flash", dropout=0.1)
+    with pytest.raises(ValueError, match=r"blocks\.0\.self_attn has backend='flash'.* and dropout 0\.1: train it"):
+        Trainer(pf.GPT(config), CountingTokens(), small_config(), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    Trainer(pf.GPT(config.replace(dropout=0.0)), CountingTokens(), small_config(), tmp_path / "run", progress=False)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):

@@ -37,6 +37,7 @@ from ..io.checkpoint import (
     save_checkpoint,
 )
 from ..io.run_lock import run_lock
+from ..nn.attention import check_trainable
 from ..nn.modes import eval_mode
 from .config import TrainConfig
 from .distributed import Distributed, process_group
@@ -132,6 +133,7 @@ class Trainer:
                             f"got {type(source).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        check_trainable(model)
         self.model, self.source, self.config = model, source, config
         self.out_dir = Path(out_dir)
         family = family or getattr(model, "family", None)
