@@ -9,12 +9,13 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 import plainformer as pf
-from plainformer.nn.moe import moe_layers, update_router_biases
+from plainformer.nn.moe import expert_counts, moe_layers, update_router_biases
 from tests.reference.torch_reference import assert_close, upstream_like
 
 
@@ -277,6 +278,20 @@ def test_load_balancing_loss_gradient_flows_through_probabilities_only():
     # dL/ds = E/T · J_softmaxᵀ f  for each token
     expected = 4 / 10 * probs * (f - (probs * f).sum(-1, keepdim=True))
     assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("shape", [(0,), (7,), (40, 2), (3, 5, 4)])
+def test_expert_counts_equal_bincount(shape):
+    ids = torch.randint(6, shape, generator=torch.Generator().manual_seed(len(shape)))
+    assert torch.equal(expert_counts(ids, 6), torch.bincount(ids.flatten(), minlength=6))
+
+
+def test_load_balancing_loss_reads_no_value_on_the_host():
+    # Fake tensors have shapes and no values: an op that needs one on the host (a sync on CUDA,
+    # e.g. bincount's max) raises here.
+    with FakeTensorMode():
+        loss = pf.load_balancing_loss(torch.randn(40, 8, requires_grad=True), 2)
+    assert loss.shape == ()
 
 
 def test_router_z_loss_by_hand_in_float64():

@@ -51,8 +51,15 @@ def load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
         raise ValueError(f"top_k must be at most the number of experts {n_experts}, got {top_k}")
     probs = torch.softmax(router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)), dim=-1)
     chosen = probs.topk(top_k, dim=-1).indices  # (T, K)
-    f = torch.bincount(chosen.flatten(), minlength=n_experts).float() / router_logits.shape[0]  # (E,)
+    f = expert_counts(chosen, n_experts).float() / router_logits.shape[0]  # (E,)
     return n_experts * (f * probs.mean(dim=0)).sum()
+
+
+def expert_counts(experts: Tensor, n_experts: int) -> Tensor:
+    """How often each of the n_experts ids occurs in `experts` (any shape) -> (E,) int64. torch.bincount
+    would read the largest id on the host first (a CUDA sync); a scatter-add needs no host value."""
+    ids = experts.flatten()
+    return torch.zeros(n_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
 
 
 def router_z_loss(router_logits: Tensor) -> Tensor:
@@ -278,7 +285,7 @@ class MoEFeedForward(nn.Module):
         experts, gates = self.route(logits)  # (T, K), (T, K)
         slot_expert = experts.flatten()  # (T·K,), slot t·K + k
         order = torch.argsort(slot_expert, stable=True)  # slots grouped by expert, token order within
-        loads = torch.bincount(slot_expert, minlength=self.n_experts)  # (E,)
+        loads = expert_counts(slot_expert, self.n_experts)  # (E,)
         counts = loads.tolist()  # the one host sync: slice sizes
         order, counts, dropped = self._apply_capacity(order, counts, flat.shape[0])
         if self.training:
