@@ -55,6 +55,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        if tmp.is_file() and path.is_dir():  # else os.replace names the temporary file, not `path`
+            raise IsADirectoryError(errno.EISDIR, "a directory is in the way of the file to write", str(path))
         os.replace(tmp, path)
     finally:
         if tmp.is_dir():
