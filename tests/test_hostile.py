@@ -464,7 +464,9 @@ def test_an_out_of_range_or_non_finite_option_gives_one_error_line(case, capsys,
 def test_an_argparse_mistake_is_one_error_line_too(capsys):
     assert_one_error_line(*run_cli(capsys, "eval"), r"the following arguments are required: --ckpt")
     assert_one_error_line(*run_cli(capsys, "sample", "--ckpt", "x", "--tempreature", "1"),
-                          r"unrecognized arguments: --tempreature 1")
+                          r"unrecognized arguments: --tempreature 1 \(see `plainformer sample --help`\)$")
+    assert_one_error_line(*run_cli(capsys, "--bogus", "sample", "--ckpt", "x"),
+                          r"unrecognized arguments: --bogus \(see `plainformer --help`\)$")
 
 
 def _float_flags() -> list[tuple[str, str]]:

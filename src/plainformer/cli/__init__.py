@@ -108,6 +108,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        """As argparse's, but arguments left over are an error of this parser, so that a command's
+        stray argument points to that command's --help (argparse reports them at the top)."""
+        parsed, extras = super().parse_known_args(*args, **kwargs)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
 
 def utf8_text(raw: bytes, what: str) -> str:
     """`raw` decoded as UTF-8 (a leading BOM dropped), or a UserError naming `what` and the first bad byte."""
