@@ -178,10 +178,11 @@ class _Tiles:
         self.padding = self.padded = None
         if key_padding_mask is not None:
             # Additive bias (B, m): 0 for real tokens, -inf for padding; blocks without padding
-            # skip it.
+            # skip it. Which keys are padding anywhere is read on the host once (one sync on CUDA,
+            # this path's only one), not once per block.
             self.padding = self._bias(~key_padding_mask)
-            has_padding = (~key_padding_mask).any(dim=0)
-            self.padded = [bool(has_padding[j0:j1].any()) for j0, j1 in self.keys]
+            padded_keys = (~key_padding_mask).any(dim=0).tolist()  # (m,)
+            self.padded = [any(padded_keys[j0:j1]) for j0, j1 in self.keys]
         self._causal: dict[tuple[int, int, int], Tensor] = {}
 
     def visible(self, i: int, j: int) -> bool:
