@@ -38,6 +38,7 @@ def test_train_copy_recipe_copies_the_test_split_exactly(copy_run):
     assert status == 0 and len(lines) == 1
     metrics = json.loads(lines[0])
     assert metrics["test_exact_match"] == 1.0 and metrics["test_sentences"] == 500
+    assert metrics["test_bleu"] == pytest.approx(100.0)  # over characters: a symbol string is one word
     assert metrics["task"] == "copy" and metrics["step"] == 900
     assert (out / "best" / "model.safetensors").is_file() and (out / "recipe.yaml").is_file()
 

@@ -137,6 +137,19 @@ def test_score_translations_matches_hand_computed_bleu_and_exact_match():
     assert scores["bleu"] == pytest.approx(_corpus_bleu(hypotheses, references), abs=1e-9)
 
 
+def test_score_translations_scores_one_word_sentences_by_characters():
+    # The symbol tasks' sentences are single words: word BLEU has no 2- to 4-grams there.
+    sources = ["s1", "s2"]
+    references, hypotheses = ["abcdefghij", "jihgfedcba"], ["abcdefghji", "jihgfedcba"]
+    model = FixedTranslations(zip(sources, hypotheses, strict=True))
+    scores = score_translations(model, sources, references, tokenize="char")
+    by_hand = _corpus_bleu([" ".join(h) for h in hypotheses], [" ".join(r) for r in references])
+    assert scores["bleu"] == pytest.approx(by_hand, abs=1e-9) and 60 < by_hand < 100
+    assert score_translations(model, sources, references)["bleu"] == 0.0
+    with pytest.raises(ValueError, match="tokenize must be one of '13a', 'char'"):
+        score_translations(model, sources, references, tokenize="words")
+
+
 def test_score_translations_needs_one_reference_per_source():
     with pytest.raises(ValueError, match="equally long"):
         score_translations(FixedTranslations({}), ["a", "b"], ["a"])

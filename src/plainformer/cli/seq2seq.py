@@ -82,7 +82,8 @@ def train(run: Run) -> dict[str, Any]:
         f"thread(s) -> {run.out}")
     metrics = fit(run, model, source, tokenizer)
     best = Transformer.from_checkpoint(run.out / "best")
-    scores = score_translations(best, task.sources("test"), task.targets("test"), beam_size=1)
+    scores = score_translations(best, task.sources("test"), task.targets("test"), beam_size=1,
+                                tokenize=task.bleu_tokenize)
     log(f"test split, greedy: BLEU {scores['bleu']:.2f}, exact match {scores['exact_match']:.2%}; "
         f"evaluate with: plainformer eval --ckpt {run.out} --beam 4")
     return {**metrics, **{f"test_{k}": v for k, v in scores.items()}, "task": task_name,
@@ -122,7 +123,8 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
     beam = args.beam or 1
     split = args.split or "test"
     scores = score_translations(model, task.sources(split), task.targets(split), beam_size=beam,
-                                length_penalty=args.length_penalty, batch_size=args.batch_size or 100)
+                                length_penalty=args.length_penalty, batch_size=args.batch_size or 100,
+                                tokenize=task.bleu_tokenize)
     log(f"{task_name} {split} split, beam {beam}: BLEU {scores['bleu']:.2f}, "
         f"exact match {scores['exact_match']:.2%}")
     return {**scores, "task": task_name, "split": split, "checkpoint": str(checkpoint)}

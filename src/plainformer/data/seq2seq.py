@@ -42,6 +42,7 @@ class Seq2SeqTask:
     seed: int
     pairs: Mapping[str, Sequence[tuple[str, str]]]
     tokenizer_vocab_size: int
+    bleu_tokenize: str = "13a"  # sacrebleu's tokenisation for BLEU: "char" where a sentence is one word
 
     def sources(self, split: str) -> list[str]:
         return [source for source, _ in self.pairs[_check_split(split)]]
@@ -59,6 +60,7 @@ class _TaskSpec:
     target: Callable[[object], str]
     sizes: Mapping[str, int]  # pairs per split
     tokenizer_vocab_size: int  # 256 bytes + 3 special tokens + merges
+    bleu_tokenize: str = "13a"
 
 
 # ----------------------------------------------------------------------------- the tasks
@@ -97,8 +99,9 @@ def _reversed(key: object) -> str:
 _SYMBOL_SIZES = {"train": 20000, "val": 500, "test": 500}
 TASKS: dict[str, _TaskSpec] = {
     # No merges (vocabulary = bytes + specials): one token per symbol.
-    "copy": _TaskSpec(_symbols, _same, _same, _SYMBOL_SIZES, 259),
-    "reverse": _TaskSpec(_symbols, _same, _reversed, _SYMBOL_SIZES, 259),
+    # A symbol string is one word, so word BLEU has no 2- to 4-grams to match: BLEU over characters.
+    "copy": _TaskSpec(_symbols, _same, _same, _SYMBOL_SIZES, 259, bleu_tokenize="char"),
+    "reverse": _TaskSpec(_symbols, _same, _reversed, _SYMBOL_SIZES, 259, bleu_tokenize="char"),
     "numbers-en-fr": _TaskSpec(_number, _words("en"), _words("fr"),
                                {"train": 40000, "val": 500, "test": 1000}, 512),
 }
@@ -128,7 +131,7 @@ def make_task(name: str, *, seed: int = 0, sizes: Mapping[str, int] | None = Non
         _checks.check_positive_int(f"sizes[{split!r}]", size)
     keys = _draw_keys(spec.draw, sizes, seed)
     pairs = {split: [(spec.source(key), spec.target(key)) for key in keys[split]] for split in SPLITS}
-    return Seq2SeqTask(name, seed, pairs, spec.tokenizer_vocab_size)
+    return Seq2SeqTask(name, seed, pairs, spec.tokenizer_vocab_size, spec.bleu_tokenize)
 
 
 def _draw_keys(draw: Callable[[np.random.Generator], object], sizes: Mapping[str, int],

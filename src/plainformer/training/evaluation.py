@@ -78,13 +78,18 @@ def accuracy(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> 
     return correct / total
 
 
+BLEU_TOKENIZERS = ("13a", "char")
+
+
 def score_translations(model: nn.Module, sources: Sequence[str], references: Sequence[str], *,
-                       beam_size: int = 1, length_penalty: float = 0.6, batch_size: int = 100
-                       ) -> dict[str, Any]:
+                       beam_size: int = 1, length_penalty: float = 0.6, batch_size: int = 100,
+                       tokenize: str = "13a") -> dict[str, Any]:
     """Translate `sources` with `model.translate` and compare with `references`: corpus BLEU
-    (sacrebleu, 13a tokenisation, 0 .. 100) and the fraction of sentences translated exactly."""
+    (sacrebleu, 0 .. 100, on 13a word tokens or, with tokenize="char", characters) and the fraction of
+    sentences translated exactly."""
     import sacrebleu
 
+    _checks.check_choice("tokenize", tokenize, BLEU_TOKENIZERS)
     if len(sources) != len(references) or not references:
         raise ValueError(f"sources and references must be equally long and non-empty, got "
                          f"{len(sources)} and {len(references)}")
@@ -94,7 +99,7 @@ def score_translations(model: nn.Module, sources: Sequence[str], references: Seq
             list(sources), beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size)
     elapsed = time.perf_counter() - start
     exact = sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
-    bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
+    bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)], tokenize=tokenize).score
     return {"bleu": bleu, "exact_match": exact, "sentences": len(references), "beam": beam_size,
             "decode_s": elapsed, "sentences_per_s": len(references) / max(elapsed, 1e-9)}
 
