@@ -179,7 +179,7 @@ class _Tiles:
         if key_padding_mask is not None:
             # Additive bias (B, m): 0 for real tokens, -inf for padding; blocks without padding
             # skip it. Which keys are padding anywhere is read on the host once (one sync on CUDA,
-            # this path's only one), not once per block.
+            # this path's only one: the backward reuses these tiles), not once per block.
             self.padding = self._bias(~key_padding_mask)
             padded_keys = (~key_padding_mask).any(dim=0).tolist()  # (m,)
             self.padded = [any(padded_keys[j0:j1]) for j0, j1 in self.keys]
@@ -313,18 +313,20 @@ class _FlashAttention(torch.autograd.Function):
         out, lse2 = _forward(q_blocks, _kv_rows(k, compute), _kv_rows(v, compute), tiles)
         out = _from_rows(out, batch, heads).to(q.dtype)  # (B, H, n, d_v)
         lse = _from_rows((lse2 * LN2).unsqueeze(-1), batch, heads).squeeze(-1)  # (B, H, n)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.options = (is_causal, scale, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (scale, block_q)
+        ctx.tiles = tiles  # the backward walks the same tiles: its masks and padded blocks are not made again
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        is_causal, scale, block_q, block_k = ctx.options
-        batch, heads, n, _ = q.shape
-        n_kv_heads, m = k.shape[1], k.shape[2]
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, block_q = ctx.options
+        tiles = ctx.tiles
+        batch, heads = q.shape[:2]
+        n_kv_heads = k.shape[1]
         compute = torch.float32 if q.dtype in _ACCUMULATE_IN_FP32 else q.dtype
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -335,8 +337,6 @@ class _FlashAttention(torch.autograd.Function):
             delta -= _to_rows(grad_lse.to(compute).unsqueeze(-1), n_kv_heads).squeeze(-1)
         lse2 = _to_rows(lse.to(compute).unsqueeze(-1), n_kv_heads).squeeze(-1) * LOG2E
         lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-        tiles = _Tiles(n, m, heads // n_kv_heads, batch, block_q, block_k, is_causal,
-                       key_padding_mask, compute, q.device)
         rows = tiles.groups * block_q
         q_blocks = _scaled_query_blocks(q, n_kv_heads, rows, scale * LOG2E, compute)
         dq, dk, dv = _backward(q_blocks, _kv_rows(k, compute), _kv_rows(v, compute),
