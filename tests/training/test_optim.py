@@ -124,6 +124,13 @@ def test_newton_schulz_runs_in_bf16_only_where_bf16_matmuls_are_native(monkeypat
     assert muon.ns_dtype == expected
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_newton_schulz_of_a_float64_model_runs_in_float64(monkeypatch, amx):
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    _, muon = make_optimizer(tiny_gpt(tie_weights=True).double(), muon_config()).optimizers
+    assert muon.ns_dtype == torch.float64
+
+
 def test_the_schedule_scales_muons_rate_by_muon_lr_over_lr():
     model = tiny_gpt(tie_weights=True)
     optimizer = make_optimizer(model, muon_config(lr=2e-3, muon_lr=0.02))

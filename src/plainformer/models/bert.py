@@ -26,6 +26,7 @@ from .. import _checks
 from ..config import Config
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
+from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
@@ -257,8 +258,8 @@ class BertForMaskedLM(nn.Module):
         selected = labels != IGNORE_INDEX  # (B, n)
         logits = self.head(hidden[selected], embedding)  # (S, vocab_size)
         if logits.shape[0] == 0:  # nothing selected: the sum over no positions, 0, still differentiable
-            return logits, logits.float().sum()
-        return logits, F.cross_entropy(logits.float(), labels[selected])
+            return logits, at_least_float32(logits).sum()
+        return logits, F.cross_entropy(at_least_float32(logits), labels[selected])
 
 
 class BertForSequenceClassification(nn.Module):
@@ -291,5 +292,5 @@ class BertForSequenceClassification(nn.Module):
         if labels is None:
             return logits, None
         loss = _checks.lookup_token_ids("labels", labels, self.config.n_labels,
-                                        lambda classes: F.cross_entropy(logits.float(), classes))
+                                        lambda classes: F.cross_entropy(at_least_float32(logits), classes))
         return logits, loss

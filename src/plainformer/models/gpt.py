@@ -33,6 +33,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
+from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
 from ..nn.masks import AttentionMask
@@ -240,7 +241,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(self.hidden_states(idx, kv_caches=kv_caches)))  # (B, n, vocab_size)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
         if self.training and self.config.n_experts:
             aux, z = mean_router_losses(moe_layers(self))
             loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z

@@ -36,6 +36,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
+from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
 
@@ -128,7 +129,7 @@ def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, smoothing: flo
 
     logits (..., V), targets (...). Computed in float32 whatever the logits' dtype.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    return F.cross_entropy(at_least_float32(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1),
                            ignore_index=ignore_index, label_smoothing=smoothing)
 
 

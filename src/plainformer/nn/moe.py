@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .. import _checks
+from .dtypes import at_least_float32
 from .feedforward import FeedForward
 
 SCORES = ("softmax", "sigmoid")
@@ -49,7 +50,7 @@ def load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
     _checks.check_positive_int("top_k", top_k)
     if top_k > n_experts:
         raise ValueError(f"top_k must be at most the number of experts {n_experts}, got {top_k}")
-    probs = torch.softmax(router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)), dim=-1)
+    probs = torch.softmax(at_least_float32(router_logits), dim=-1)
     chosen = probs.topk(top_k, dim=-1).indices  # (T, K)
     f = expert_counts(chosen, n_experts).float() / router_logits.shape[0]  # (E,)
     return n_experts * (f * probs.mean(dim=0)).sum()
@@ -65,7 +66,7 @@ def expert_counts(experts: Tensor, n_experts: int) -> Tensor:
 def router_z_loss(router_logits: Tensor) -> Tensor:
     """L_z = mean_t (logsumexp_i s_{t,i})² from router_logits (T, E) -> scalar, in fp32 or wider."""
     _checks.check_tensor("router_logits", router_logits, ndim=2, shape_doc="(T, E)")
-    logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
+    logits = at_least_float32(router_logits)
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
@@ -263,7 +264,7 @@ class MoEFeedForward(nn.Module):
         exact: softmax renormalised over the top K is softmax(s_topK), and without renormalisation
         p_e = exp(s_e − logsumexp(s)). This keeps the (T, E) softmax out of the autograd graph.
         """
-        logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
+        logits = at_least_float32(router_logits)
         with torch.no_grad():
             scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)  # (T, E)
             experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # (T, K)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks
+from .dtypes import at_least_float32
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -54,7 +55,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        wide = at_least_float32(x)
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         return (wide * _inverse_rms(wide, eps)).to(x.dtype) * weight
@@ -62,7 +63,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        wide = at_least_float32(x)
         inv_rms = _inverse_rms(wide, ctx.eps)  # (..., 1)
         d = x.shape[-1]
         grad_x_wide = (grad.to(wide.dtype) * wide).reshape(-1, d)  # g ⊙ x, (N, d)

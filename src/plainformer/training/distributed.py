@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..nn.dtypes import at_least_float32
 from .config import PARALLEL
 from .optim import MuonWithAdamW
 
@@ -239,7 +240,7 @@ class Distributed:
         """The mean of a scalar tensor over ranks (SUM / W; every rank gets it)."""
         if self.world_size == 1:
             return value
-        total = value.detach().float().clone()
+        total = at_least_float32(value.detach()).clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.world_size
 

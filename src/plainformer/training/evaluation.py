@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import _checks
 from ..models.bert import IGNORE_INDEX  # labels that are not scored
+from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
 
 
@@ -54,7 +55,7 @@ def validation_loss(model: nn.Module, tokens: np.ndarray, block_size: int, batch
             logits = model(torch.from_numpy(np.array(chunk_inputs)))[0]  # (B, T, V); np.array: a writable copy
             expected = torch.from_numpy(np.array(chunk_targets))  # (B, T)
             total += float(torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), expected.flatten(), reduction="sum"))
+                at_least_float32(logits.flatten(0, 1)), expected.flatten(), reduction="sum"))
             count += expected.numel()
     return total / count, count
 
@@ -108,5 +109,6 @@ def mean_loss(model: nn.Module, source: Any, n_batches: int, batch_size: int) ->
     """Mean of the losses `model(**batch)` returns over the validation batches 0 .. n_batches-1 of
     `source`: the trainer's validation loss, computed in the weights' precision."""
     with evaluating(model):
-        losses = [model(**source.get_batch("val", index, batch_size))[1].float() for index in range(n_batches)]
+        losses = [at_least_float32(model(**source.get_batch("val", index, batch_size))[1])
+                  for index in range(n_batches)]
     return float(torch.stack(losses).mean())

@@ -14,7 +14,8 @@ attention and feed-forward projections) take Muon instead (Jordan et al. 2024, `
 at η_t = lr_t · muon_lr / lr (the same schedule, peak muon_lr); embeddings, the output head, norms and
 biases stay with AdamW, as in the modded-nanoGPT speedruns. Newton–Schulz runs once per group of
 same-shaped matrices (`BatchedMuon`), in bfloat16 as in torch's Muon where bf16 matmuls are native (a CPU
-with AMX, a CUDA device with bf16), in float32 elsewhere, where bf16 would multiply at about half the rate.
+with AMX, a CUDA device with bf16), in float32 elsewhere, where bf16 would multiply at about half the rate
+(or, on an AVX2-only CPU, a hundredth), and in float64 for a float64 model.
 
 Schedules (W = warmup_steps, T = decay_steps or max_steps):
 
@@ -104,12 +105,20 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     if not hidden:
         return _adamw(groups, config)
-    native, _ = native_bf16(next(model.parameters()).device)
     muon = BatchedMuon([p for p in decay if id(p) in hidden], lr=config.muon_lr, weight_decay=config.weight_decay,
-                       ns_dtype=torch.bfloat16 if native else torch.float32)
+                       ns_dtype=newton_schulz_dtype(next(model.parameters())))
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr
     return MuonWithAdamW(muon, _adamw(groups, config) if groups else None)
+
+
+def newton_schulz_dtype(parameter: torch.Tensor) -> torch.dtype:
+    """bfloat16 (torch's Muon) where the parameter's device multiplies it natively, float32 elsewhere, and
+    float64 for a float64 model: such a model is a reference run, whose every step must stay in float64."""
+    if parameter.dtype == torch.float64:
+        return torch.float64
+    native, _ = native_bf16(parameter.device)
+    return torch.bfloat16 if native else torch.float32
 
 
 class BatchedMuon(torch.optim.Muon):

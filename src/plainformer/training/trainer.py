@@ -38,6 +38,7 @@ from ..io.checkpoint import (
 )
 from ..io.run_lock import run_lock
 from ..nn.attention import check_trainable
+from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
 from .config import TrainConfig
 from .distributed import Distributed, process_group
@@ -161,6 +162,8 @@ class Trainer:
     def _setup(self, model: nn.Module, config: TrainConfig, resume: bool) -> None:
         self._wrapped = self.dist.wrap(model)
         self.device = next(model.parameters()).device
+        # Losses are summed in float32, or in float64 for a float64 model (see nn/dtypes.py).
+        self._loss_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device, model_width(model))
         self.config = config = config.replace(dtype=dtype)
@@ -253,7 +256,7 @@ class Trainer:
         """One optimizer update over grad_accum_steps micro-batches -> (mean loss, input tokens, grad norm)."""
         cfg = self.config
         set_lr(self.optimizer, lr_at(self.step + 1, cfg))
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), dtype=self._loss_dtype, device=self.device)
         tokens = 0
         for micro in range(cfg.grad_accum_steps):
             batch = self._batch("train", self.data_position, cfg.batch_size)
@@ -262,7 +265,7 @@ class Trainer:
                 with self._autocast():
                     _, loss = self._forward(**batch)
                 (loss / cfg.grad_accum_steps).backward()
-            loss_sum += loss.detach().float()
+            loss_sum += at_least_float32(loss.detach())
             tokens += next(iter(batch.values())).numel() * self.dist.world_size
         grad_norm = (self.dist.local(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
                      if cfg.grad_clip > 0 else None)
@@ -280,7 +283,7 @@ class Trainer:
             size = self.config.eval_batch_size or self.config.batch_size
             self._val_batches = [self._batch("val", i, size) for i in range(self.config.eval_batches)]
         with eval_mode(self.model), self._autocast():
-            losses = [self._forward(**batch)[1].float() for batch in self._val_batches]
+            losses = [at_least_float32(self._forward(**batch)[1]) for batch in self._val_batches]
         return self.dist.mean(torch.stack(losses).mean()).item()
 
     # ------------------------------------------------------------------------- the loop
@@ -305,7 +308,7 @@ class Trainer:
             _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
-        watch, window = _Stopwatch(self.device), _LogWindow(self.device, **self._unlogged)
+        watch, window = _Stopwatch(self.device), _LogWindow(self.device, self._loss_dtype, **self._unlogged)
         self._window = window
         stopped_by, grad_norm = "max_steps", None
         log_path = self.metrics_path if self.dist.is_main else os.devnull
@@ -471,8 +474,8 @@ class _LogWindow:
     """Loss and input tokens since the last log line. The loss stays a device tensor until it is
     logged, so the hot loop never waits on `.item()`."""
 
-    def __init__(self, device: torch.device, loss_sum: float = 0.0, steps: int = 0):
-        self.loss = torch.tensor(loss_sum, device=device)
+    def __init__(self, device: torch.device, dtype: torch.dtype, loss_sum: float = 0.0, steps: int = 0):
+        self.loss = torch.tensor(loss_sum, dtype=dtype, device=device)
         self.steps, self.tokens, self.total_tokens = steps, 0, 0
         self._mark = 0.0  # training seconds at the last flush
         self._after_first: tuple[int, float] | None = None  # (total_tokens, seconds) after step 1
@@ -486,8 +489,8 @@ class _LogWindow:
             self._after_first = (self.total_tokens, train_seconds)
 
     def state(self) -> dict[str, Any]:
-        """What a resumed run needs to log the same mean loss: the unlogged steps' loss sum (float32,
-        exact in JSON) and their number."""
+        """What a resumed run needs to log the same mean loss: the unlogged steps' loss sum (float32
+        or float64, exact in JSON) and their number."""
         return {"loss_sum": self.loss.item(), "steps": self.steps}
 
     def throughput(self, train_seconds: float) -> float:
