@@ -90,3 +90,39 @@ def test_trainer_logs_checkpoints_and_reports_the_resolved_dtype(tmp_path, amx, 
     for name in ("last", "best"):
         assert load_checkpoint(tmp_path / name).train_config["dtype"] == expected
     assert json.loads((tmp_path / "last" / "config.json").read_text())["train"]["dtype"] == expected
+
+
+@pytest.fixture
+def matmul_rates(monkeypatch):
+    """The probe's measured rates, GFLOP/s by dtype, as an AVX2-only AMD measured them."""
+    rates = {torch.bfloat16: 1.0e9, torch.float32: 147e9}
+    monkeypatch.setattr(precision, "matmul_rate", lambda dtype, device="cpu", size=1024: rates[dtype])
+
+
+@pytest.mark.parametrize("present, warned", [(False, True), (True, False)])
+def test_forced_bfloat16_where_it_is_not_native_warns_once_with_the_measured_slowdown(
+        tmp_path, amx, capsys, matmul_rates, present, warned):
+    amx(present)
+    torch.manual_seed(0)
+    trainer = Trainer(TinyLM(TinyConfig(d_model=MIN_BF16_WIDTH)), CountingTokens(),
+                      small_config(dtype="bfloat16", max_steps=2), tmp_path, progress=False)
+    metrics = trainer.fit()
+
+    assert metrics["dtype"] == "bfloat16" and metrics["step"] == 2  # the run goes on
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: bfloat16")]
+    expected = ["warning: bfloat16 is not native here (no AMX on this CPU): its matmuls ran at 1.0 GFLOP/s "
+                "against 147 in float32 (147.0x slower); training goes on (--dtype float32 or auto trains in "
+                "float32)"]
+    assert warnings == (expected if warned else [])
+
+
+def test_auto_never_warns_about_bfloat16(tmp_path, amx, capsys, matmul_rates):
+    amx(False)
+    Trainer(TinyLM(TinyConfig(d_model=MIN_BF16_WIDTH)), CountingTokens(), small_config(dtype="auto", max_steps=1),
+            tmp_path, progress=False).fit()
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_matmul_probe_measures_a_positive_rate_in_each_dtype():
+    assert precision.matmul_rate(torch.float32, size=64, seconds=0.01) > 1e6
+    assert precision.matmul_rate(torch.float64, size=64, seconds=0.01) > 1e6

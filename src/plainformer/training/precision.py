@@ -14,6 +14,8 @@ model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -59,3 +61,39 @@ def resolve_dtype(config_dtype: str, device: torch.device | str, width: int | No
     if torch.device(device).type == "cpu" and width is not None and width < MIN_BF16_WIDTH:
         return "float32", f"d_model {width} too narrow for bf16 to pay on a CPU"
     return "bfloat16", why
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1024,
+                seconds: float = 0.1) -> float:
+    """The best throughput of (size x size) @ (size x size) matmuls in `dtype` on `device` over about
+    `seconds` (at least 3 of them, after one untimed), FLOP/s."""
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()
+    best, deadline, runs = float("inf"), time.perf_counter() + seconds, 0
+    while runs < 3 or time.perf_counter() < deadline:
+        best, runs = min(best, timed()), runs + 1
+    return 2 * size**3 / best
+
+
+def slow_bf16_warning(dtype: str, device: torch.device | str) -> str | None:
+    """For a run that trains in bfloat16 where bf16 is not native: one line with the measured
+    slowdown of its matmuls against float32 (bf16 ran at ~1 GFLOP/s on an AVX2-only AMD, 147 in
+    fp32); None otherwise."""
+    native, why = native_bf16(device)
+    if dtype != "bfloat16" or native:
+        return None
+    # 256: a slow bf16 multiplies 1024 x 1024 in seconds
+    bf16, fp32 = (matmul_rate(dtype, device, size=256) for dtype in (torch.bfloat16, torch.float32))
+    return (f"warning: bfloat16 is not native here ({why}): its matmuls ran at {bf16 / 1e9:.1f} GFLOP/s "
+            f"against {fp32 / 1e9:.0f} in float32 ({fp32 / bf16:.1f}x slower); training goes on "
+            "(--dtype float32 or auto trains in float32)")

@@ -45,7 +45,7 @@ from .distributed import Distributed, process_group
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .plots import plot_loss_curve
-from .precision import model_width, resolve_dtype
+from .precision import model_width, resolve_dtype, slow_bf16_warning
 from .tensorboard import tensorboard_log
 
 
@@ -166,6 +166,7 @@ class Trainer:
         self._loss_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device, model_width(model))
+        self._dtype_warning = slow_bf16_warning(dtype, self.device) if self.dist.is_main else None
         self.config = config = config.replace(dtype=dtype)
         # MuonWithAdamW is not an Optimizer subclass but has the interface the trainer and checkpoints use.
         self.optimizer = cast(torch.optim.Optimizer, make_optimizer(model, config))
@@ -305,6 +306,8 @@ class Trainer:
         self._start_rng()
         if self.dist.is_main:
             print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
+            if self._dtype_warning is not None:
+                print(self._dtype_warning, file=sys.stderr, flush=True)
             _keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
