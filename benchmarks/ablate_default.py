@@ -61,6 +61,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "batch 24": ({}, dict(batch_size=24)),
     "float32": ({}, dict(dtype="float32")),
     "bfloat16": ({}, dict(dtype="bfloat16")),
+    # The fourth round, on an AVX2-only CPU (fp32, Newton-Schulz a quarter of the step): cheaper steps.
+    "adamw": ({}, dict(optimizer="adamw")),
+    "4x192": (dict(d_model=192, d_ff=512), {}),
+    "4x192 batch 8": (dict(d_model=192, d_ff=512), dict(batch_size=8)),
+    "3x192": (dict(n_layers=3, d_model=192, d_ff=512), {}),
+    "4x128": (dict(d_model=128, d_ff=344), {}),
+    "6x128": (dict(n_layers=6, d_model=128, d_ff=344), {}),
 }
 
 

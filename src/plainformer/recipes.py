@@ -27,9 +27,22 @@ FAMILIES = ("gpt", "bert-mlm", "bert-cls", "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
+class Shape:
+    """One of a recipe's measured shapes, for machines whose training matmuls (in the dtype the run trains
+    in) run at `min_gflops` or faster: its changes to the recipe's model config and TrainConfig."""
+
+    name: str
+    min_gflops: float
+    model: Mapping[str, Any]
+    train: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     """name -> (family, model config, TrainConfig, data options). `model` is None when the model comes
-    from the `init` option (fine-tuning a pretrained one)."""
+    from the `init` option (fine-tuning a pretrained one). A recipe with `shapes` (fastest machines first,
+    the last one for any) trains the first shape the machine's measured matmul rate reaches (`shaped_for`),
+    unless one of the fields the shapes set is given (`shape_fields`)."""
 
     name: str
     family: str
@@ -37,6 +50,28 @@ class Recipe:
     train: TrainConfig
     options: Mapping[str, Any]
     summary: str
+    shapes: tuple[Shape, ...] = ()
+
+    def __post_init__(self) -> None:
+        rates = [shape.min_gflops for shape in self.shapes]
+        if rates and (rates != sorted(rates, reverse=True) or rates[-1] != 0):
+            raise ValueError(f"recipe {self.name!r}: shapes go from the fastest machines' to one for any "
+                             f"(min_gflops 0), got min_gflops {rates}")
+
+    def shape_fields(self) -> set[str]:
+        """The model and TrainConfig fields that some shape sets."""
+        return {name for shape in self.shapes for name in (*shape.model, *shape.train)}
+
+    def shape_for(self, gflops: float) -> Shape:
+        """The first of `shapes` whose min_gflops `gflops` reaches."""
+        return next(shape for shape in self.shapes if gflops >= shape.min_gflops)
+
+    def shaped_for(self, gflops: float) -> tuple[Shape, Recipe]:
+        """The shape for a machine multiplying at `gflops`, and this recipe with its changes made."""
+        shape = self.shape_for(gflops)
+        assert self.model is not None, "a fine-tuning recipe takes its shape from `init`"
+        return shape, dataclasses.replace(self, model=self.model.replace(**shape.model),
+                                          train=self.train.replace(**shape.train), shapes=())
 
 
 def _gpt(name: str, summary: str, **train: Any) -> Recipe:
@@ -65,10 +100,17 @@ DEFAULT_TRAINING_SECONDS = 200.0
 _DEFAULT_TRAINING = dict(batch_size=16, optimizer="muon", muon_lr=0.02, lr=2e-3, min_lr=1e-4, warmup_steps=30,
                          beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=40)
 
+# The default's shapes, by the machine's matmul rate in the dtype it trains in (1024^3 products): 4 x 256
+# where it fits ~550+ steps in the 200 s (bf16 on a Xeon with AMX, 340-1150 GFLOP/s), 4 x 192 below (fp32:
+# 113-150 GFLOP/s on an AVX2-only AMD, ~190 on a Xeon without AMX), which learns more there in 200 s.
+_DEFAULT_SHAPES = (Shape("4x256", 250.0, {}, {}), Shape("4x192", 0.0, dict(d_model=192, d_ff=512), {}))
+
 _RECIPES = [
-    _gpt("default", "GPT, 3.2M parameters, character-level Shakespeare in under 5 minutes on 2 cores "
-                    "(README, 'Choosing the default')",
-         max_steps=5000, max_time=DEFAULT_TRAINING_SECONDS, fit_to_time=True, **_DEFAULT_TRAINING),
+    dataclasses.replace(
+        _gpt("default", "GPT, 3.2M parameters (1.8M on a slower CPU), character-level Shakespeare in under 5 "
+                        "minutes on 2 cores (README, 'Choosing the default')",
+             max_steps=5000, max_time=DEFAULT_TRAINING_SECONDS, fit_to_time=True, **_DEFAULT_TRAINING),
+        shapes=_DEFAULT_SHAPES),
     # The same recipe for a fixed number of steps (about the default's on 2 cores), so that the sparse
     # model compares with the dense one step for step.
     _gpt("moe", "the default GPT with 8 SwiGLU experts of half the width, 2 active per token (README, "

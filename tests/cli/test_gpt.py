@@ -3,6 +3,7 @@ run's recipe.yaml, resume, Ctrl-C, errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,7 +18,9 @@ import yaml
 from safetensors.torch import load_file
 
 import plainformer as pf
+from plainformer import recipes
 from plainformer.cli import main
+from plainformer.cli import train as cli_train
 
 TINY_MODEL = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16"]
 TINY_TRAINING = ["--batch-size", "4", "--eval-interval", "5", "--eval-batches", "2", "--warmup-steps", "2",
@@ -120,6 +123,32 @@ def test_the_written_recipe_repeats_the_run(capsys, text_file: Path, tmp_path: P
     again = last_json(stdout)
     assert code == 0 and again["val_loss"] == first["val_loss"] and again["train_loss"] == first["train_loss"]
     assert _same_weights(tmp_path / "first", tmp_path / "again")
+
+
+def test_the_default_trains_the_shape_the_probe_picks_and_repeats_it_on_resume_and_from_its_recipe(
+        capsys, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    tiny = dict(zip([flag[2:].replace("-", "_") for flag in TINY_MODEL[::2]], map(int, TINY_MODEL[1::2]),
+                    strict=True))
+    default = recipes.get("default")
+    shapes = (recipes.Shape("wide", 500.0, {}, {}), recipes.Shape("narrow", 0.0, dict(d_model=16, d_ff=32), {}))
+    monkeypatch.setitem(recipes.RECIPES, "default", dataclasses.replace(
+        default, model=default.model.replace(**tiny), shapes=shapes))
+    monkeypatch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 100e9)
+    run = ["--data", str(text_file), "--no-progress", *TINY_TRAINING, "--no-fit-to-time"]
+    code, _, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--max-steps", "2", *run)
+    assert code == 0
+    assert stderr.count("shape: narrow (float32 matmuls at 100 GFLOP/s on this machine") == 1
+    assert pf.GPT.from_checkpoint(tmp_path / "run" / "last").config.d_model == 16
+    assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["d_model"] == 16
+
+    monkeypatch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 1e15)  # a faster machine now
+    code, _, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--max-steps", "3", "--resume", *run)
+    assert code == 0 and "shape:" not in stderr
+    assert pf.GPT.from_checkpoint(tmp_path / "run" / "last").config.d_model == 16
+    code, _, stderr = run_cli(capsys, "train", "--config", str(tmp_path / "run" / "recipe.yaml"),
+                              "--out", str(tmp_path / "again"), "--max-steps", "1", "--no-progress")
+    assert code == 0 and "shape:" not in stderr
+    assert pf.GPT.from_checkpoint(tmp_path / "again" / "last").config.d_model == 16
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])

@@ -3,6 +3,7 @@ flags, in that order of priority; every family's recipe survives the round trip 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,24 @@ import yaml
 
 from plainformer import recipes
 from plainformer.cli import UserError, build_parser
+from plainformer.cli import train as cli_train
 from plainformer.cli.train import read_config_file, resolve
+
+FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape's threshold but the last
+
+
+@pytest.fixture(autouse=True)
+def probe(monkeypatch):
+    """The machine's measured matmul rate as the shape choice sees it (a fast machine unless set), and
+    the list of the probes made."""
+    measured, rates = [FAST], []
+
+    def matmul_rate(dtype, seconds):
+        rates.append(measured[0])
+        return measured[0]
+
+    monkeypatch.setattr(cli_train, "matmul_rate", matmul_rate)
+    return measured, rates
 
 
 def _resolve(*argv: str, default: str = "default"):
@@ -88,3 +106,55 @@ def test_a_config_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
     path.write_bytes(b"preset: default\nlr: 0.001 \xe9\n")
     with pytest.raises(UserError, match=r"c\.yaml is not UTF-8 text \(byte offset 26\)"):
         read_config_file(path)
+
+
+def _shaped_recipes() -> list[str]:
+    return [name for name in recipes.names() if recipes.get(name).shapes]
+
+
+@pytest.mark.parametrize("name", _shaped_recipes())
+def test_a_recipe_with_shapes_takes_the_one_the_measured_matmul_rate_reaches(name, probe, capsys):
+    measured, rates = probe
+    recipe = recipes.get(name)
+    for rate, shape in ((FAST, recipe.shapes[0]), (SLOW, recipe.shapes[-1])):
+        measured[0] = rate
+        run = _resolve("--preset", name)
+        assert run.model == recipe.model.replace(**shape.model)
+        assert run.train == recipe.train.replace(**shape.train)
+        log = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shape:")]
+        assert log == [f"shape: {shape.name} (float32 matmuls at {rate / 1e9:.0f} GFLOP/s on this machine; "
+                       f"{name!r} takes it from {shape.min_gflops:g} GFLOP/s)"]
+    assert len(rates) == 2
+
+
+@pytest.mark.parametrize("name", _shaped_recipes())
+def test_a_given_shape_field_or_a_written_recipe_skips_the_probe(name, probe, tmp_path):
+    measured, rates = probe
+    measured[0] = SLOW
+    field = sorted(recipes.get(name).shape_fields())[0]
+    value = getattr(recipes.get(name).model, field, None) or getattr(recipes.get(name).train, field)
+    _resolve("--preset", name, f"--{field.replace('_', '-')}", str(value))
+    assert rates == []
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_resolve("--preset", name).recipe_values()))
+    again = _resolve("--config", str(path))
+    assert len(rates) == 1 and again.model == recipes.get(name).model.replace(**recipes.get(name).shapes[-1].model)
+
+
+def test_under_a_distributed_launch_every_process_takes_the_first_shape_without_a_probe(probe, monkeypatch):
+    measured, rates = probe
+    measured[0] = SLOW
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    for name in _shaped_recipes():
+        assert _resolve("--preset", name).model == recipes.get(name).model.replace(**recipes.get(name).shapes[0].model)
+    assert rates == []
+
+
+def test_shapes_must_run_from_the_fastest_machines_to_any():
+    default = recipes.get("default")
+    shape = recipes.Shape("any", 0.0, {}, {})
+    with pytest.raises(ValueError, match="shapes go from the fastest machines' to one for any"):
+        dataclasses.replace(default, shapes=(dataclasses.replace(shape, min_gflops=1.0),))
+    with pytest.raises(ValueError, match=r"got min_gflops \[0.0, 5.0\]"):
+        dataclasses.replace(default, shapes=(shape, dataclasses.replace(shape, min_gflops=5.0)))

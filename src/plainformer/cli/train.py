@@ -17,10 +17,12 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from .. import recipes
@@ -32,6 +34,8 @@ from ..models.bert import BertConfig
 from ..models.gpt import GPTConfig
 from ..models.transformer import TransformerConfig
 from ..training.config import TrainConfig
+from ..training.distributed import current_launch
+from ..training.precision import matmul_rate, resolve_dtype
 from ..training.trainer import Trainer
 from . import UserError, add_config_arguments, field_type, log, positive_int, set_threads, utf8_text
 
@@ -359,11 +363,32 @@ def resolve(args: argparse.Namespace, default_preset: str,
                         f"{', '.join(FINETUNE_FIELDS)} may be given, got {', '.join(sorted(model_given))}")
     if args.resume:
         return _resume(args, out, preset, recipe, saved, model_given, train_given, options_given)
+    if recipe.shapes and not recipe.shape_fields() & {*model_given, *train_given}:
+        recipe = _shaped_for_this_machine(recipe, train_given)
     model = recipe.model.replace(**model_given) if recipe.model is not None else None
     train = {**recipe.train.to_dict(), **train_given}
     _tie_schedule(train, train_given, model)
     return Run(preset, recipe.family, model, TrainConfig.from_dict(train),
                {**recipe.options, **options_given}, out, None, not args.no_progress, model_given)
+
+
+def _shaped_for_this_machine(recipe: recipes.Recipe, train_given: Mapping[str, Any]) -> recipes.Recipe:
+    """The recipe in the shape for this machine's matmul rate, in the dtype the run will train in (a
+    probe of ~0.3 s), logged once; recipe.yaml then holds the shape's fields, so that --config and
+    --resume repeat it. The processes of a distributed launch would each measure their own rate, so
+    there the first shape, for the fastest machines, is taken without a probe."""
+    if current_launch().world_size > 1:
+        shape, shaped = recipe.shaped_for(math.inf)
+        log(f"shape: {shape.name} (the first of preset {recipe.name!r}'s: every process must build it)")
+        return shaped
+    assert recipe.model is not None  # a recipe with shapes has a model of its own
+    width = getattr(recipe.model, "d_model", None)
+    dtype, _ = resolve_dtype(train_given.get("dtype", recipe.train.dtype), "cpu", width)
+    gflops = matmul_rate(getattr(torch, dtype), seconds=0.3) / 1e9
+    shape, shaped = recipe.shaped_for(gflops)
+    log(f"shape: {shape.name} ({dtype} matmuls at {gflops:.0f} GFLOP/s on this machine; "
+        f"{recipe.name!r} takes it from {shape.min_gflops:g} GFLOP/s)")
+    return shaped
 
 
 def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Recipe,
