@@ -119,7 +119,7 @@ def test_default_attention_mask_is_input_ids_not_pad_id():
 
 
 def test_padding_does_not_change_the_real_tokens_outputs():
-    ours, _ = _pair()
+    ours, _ = _pair(torch.float64)  # padded vs alone differ only in summation order: float64, 1e-10
     ids, mask, _ = _batch()
     with torch.no_grad():
         batched = ours(ids, mask).last_hidden_state

@@ -3,6 +3,7 @@ batching and ordering, truncation, bf16, and loading a plainformer checkpoint.""
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,11 +65,16 @@ def test_long_sentences_are_truncated_like_sentence_transformers_keeping_sep(enc
 
 
 def test_order_and_batch_size_do_not_change_the_embeddings(encoder):
+    """Batchings differ only in the order of their sums, so the BERT runs in float64; mean_pool and the
+    normalisation then take its states to float32 (encode returns float32): unit vectors, whose sums over
+    tokens grouped by another padded length may round a few float32 ulps apart: 16 ulps of 1."""
+    encoder = copy.deepcopy(encoder).double()
+    tolerance = 16 * torch.finfo(torch.float32).eps
     one_batch = encoder.encode(SENTENCES, batch_size=32)
     small_batches = encoder.encode(SENTENCES, batch_size=2)
     one_by_one = torch.stack([encoder.encode(s) for s in SENTENCES])
-    assert_close(small_batches, one_batch, "batch size 2 vs 32")
-    assert_close(one_by_one, one_batch, "one at a time")
+    assert (small_batches - one_batch).abs().max().item() <= tolerance, "batch size 2 vs 32"
+    assert (one_by_one - one_batch).abs().max().item() <= tolerance, "one at a time"
 
 
 def test_embeddings_are_unit_vectors_in_float32(encoder):

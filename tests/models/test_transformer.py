@@ -132,7 +132,7 @@ def test_the_paper_schedule_matches_the_formula_at_known_steps():
 @pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_decoding_with_kv_cache_equals_decoding_without(beam_size, norm_first):
-    model = _model(seed=2, norm_first=norm_first)
+    model = _model(seed=2, norm_first=norm_first).double()  # float64: no near-tie of the CPU's sums decides
     src = _batch(seed=2)["src"]
     cached = model.generate(src, beam_size=beam_size, max_new_tokens=12)
     uncached = model.generate(src, beam_size=beam_size, max_new_tokens=12, use_cache=False)

@@ -347,17 +347,18 @@ def test_grouped_query_mha_equals_full_mha_with_repeated_kv_projections():
 
 
 # ----------------------------------------------------------------------------- KV cache and rope
+# Cached against the full pass: two of our paths that differ only in summation order, so float64 (1e-10).
 
 @pytest.mark.parametrize("prefill", [1, 3])
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_decoding_with_kv_cache_and_rope_equals_the_full_causal_pass(n_kv_heads, prefill):
     """Feed `prefill` tokens at once, then one token at a time: each step sees the cached past."""
     torch.manual_seed(0)
-    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads).eval()
-    rope = pf.RotaryEmbedding(head_dim=4, max_len=8)
-    x = torch.randn(B, 6, 16)
+    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads).double().eval()
+    rope = pf.RotaryEmbedding(head_dim=4, max_len=8).double()
+    x = torch.randn(B, 6, 16, dtype=torch.float64)
     full = mha(x, x, x, is_causal=True, rope=rope)
-    cache = pf.KVCache(B, n_kv_heads, max_len=8, head_dim=4)
+    cache = pf.KVCache(B, n_kv_heads, max_len=8, head_dim=4, dtype=torch.float64)
     steps = [x[:, :prefill]] + [x[:, t:t + 1] for t in range(prefill, 6)]
     decoded = torch.cat([mha(step, step, step, is_causal=True, rope=rope, kv_cache=cache) for step in steps], dim=1)
     assert cache.length == 6
@@ -366,12 +367,12 @@ def test_decoding_with_kv_cache_and_rope_equals_the_full_causal_pass(n_kv_heads,
 
 def test_static_cache_reuses_the_projected_memory_for_cross_attention():
     torch.manual_seed(0)
-    mha = pf.MultiHeadAttention(16, 4).eval()
-    memory, queries = torch.randn(B, 5, 16), torch.randn(B, 3, 16)
+    mha = pf.MultiHeadAttention(16, 4).double().eval()
+    memory, queries = torch.randn(B, 5, 16, dtype=torch.float64), torch.randn(B, 3, 16, dtype=torch.float64)
     keep = torch.ones(B, 5, dtype=torch.bool)
     keep[1, 3:] = False
     full = mha(queries, memory, memory, key_padding_mask=keep)
-    cache = pf.KVCache(B, 4, max_len=5, head_dim=4, static=True)
+    cache = pf.KVCache(B, 4, max_len=5, head_dim=4, static=True, dtype=torch.float64)
     steps = [mha(queries[:, t:t + 1], memory, memory, key_padding_mask=keep, kv_cache=cache) for t in range(3)]
     assert cache.length == 5
     assert_close(torch.cat(steps, dim=1), full)

@@ -10,7 +10,8 @@ copied weights, post-LN and pre-LN, padded, in three modes:
 
 DecoderLayer and Decoder against torch.nn.TransformerDecoderLayer / TransformerDecoder with copied
 weights (post-LN and pre-LN, padding and causal masks, outputs and gradients); incremental decoding
-with the self-attention and memory caches equals the full pass; float64 gradcheck.
+with the self-attention and memory caches equals the full pass; float64 gradcheck. Comparisons of two of
+our own paths (padded or alone, cached or not) run in float64 at 1e-10, whatever the CPU's summation order.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def test_embedding_is_scaled_by_sqrt_d_model_before_adding_sinusoids():
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
 def test_padded_batch_gives_the_outputs_of_the_unpadded_sequences(norm_first):
     ours, _ = _encoder_pair(norm_first)
-    ours.eval()
+    ours.double().eval()  # batched vs alone differ only in summation order: float64, 1e-10
     src = _tokens()
     padded_out = ours(src)
     assert_close(padded_out[0], ours(src[:1])[0])
@@ -180,6 +181,7 @@ def test_padded_batch_gives_the_outputs_of_the_unpadded_sequences(norm_first):
 def test_an_explicit_key_padding_mask_overrides_pad_id():
     """With every position marked real, the pads of sequence 1 are attended like any token."""
     ours, _ = _encoder_pair(norm_first=False)
+    ours.double()  # the stack against its own layers called one by one: float64, 1e-10
     src = _tokens()
     keep = torch.ones_like(src, dtype=torch.bool)
     x = ours.embed(src)
@@ -317,8 +319,8 @@ def test_decoder_stack_matches_torch_transformer_decoder(norm_first):
 @pytest.mark.parametrize("chunks", [(1, 1, 1, 1, 1), (3, 2), (2, 1, 2)])
 def test_incremental_decoding_with_caches_equals_the_full_pass(norm_first, chunks):
     torch.manual_seed(0)
-    decoder = Decoder(13, D, H, D_FF, 2, max_len=8, pad_id=0, norm_first=norm_first).eval()
-    _, memory, _, memory_real = _inputs(seed=4)
+    decoder = Decoder(13, D, H, D_FF, 2, max_len=8, pad_id=0, norm_first=norm_first).double().eval()
+    _, memory, _, memory_real = _inputs(torch.float64, seed=4)
     memory = memory.detach()
     tgt = torch.randint(1, 13, (B, N))
     with torch.no_grad():
@@ -334,8 +336,8 @@ def test_incremental_decoding_with_caches_equals_the_full_pass(norm_first, chunk
 
 def test_memory_cache_with_repeats_equals_the_cache_of_the_repeated_memory():
     torch.manual_seed(0)
-    layer = DecoderLayer(D, H, D_FF).eval()
-    memory = torch.randn(B, M, D)
+    layer = DecoderLayer(D, H, D_FF).double().eval()
+    memory = torch.randn(B, M, D, dtype=torch.float64)
     repeated = layer.memory_kv_cache(memory, repeats=3)
     direct = layer.memory_kv_cache(memory.repeat_interleave(3, dim=0))
     assert repeated.static and repeated.length == M

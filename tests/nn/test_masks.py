@@ -99,8 +99,8 @@ def test_check_masks_names_the_bad_mask():
 def test_a_layer_given_the_batch_mask_matches_the_layer_given_raw_masks():
     """What the stacks do (build once, hand it over) equals what a layer called alone does."""
     torch.manual_seed(0)
-    layer = pf.EncoderLayer(12, H, 24, dropout=0.0)
-    x = torch.randn(B, 5, 12)
+    layer = pf.EncoderLayer(12, H, 24, dropout=0.0).double()  # two of our paths: float64, 1e-10
+    x = torch.randn(B, 5, 12, dtype=torch.float64)
     padding = torch.ones(B, 5, dtype=torch.bool)
     padding[1, 3:] = False
     built = AttentionMask.build(5, 5, is_causal=True, key_padding_mask=padding)

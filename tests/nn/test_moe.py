@@ -132,20 +132,22 @@ def test_shared_expert_matches_qwen2_moe_block_with_a_zero_shared_gate():
 
 
 def test_one_expert_top_1_is_the_swiglu_feed_forward():
-    ours = _layer(16, 24, 1, 1)
-    ffn = pf.FeedForward(16, 24, activation="swiglu", bias=False)
+    """Two of our layers, differing only in the order of their sums: compared in float64."""
+    ours = _layer(16, 24, 1, 1).double()
+    ffn = pf.FeedForward(16, 24, activation="swiglu", bias=False).double()
     with torch.no_grad():
         ffn.W_1.weight.copy_(ours.W_1[0])
         ffn.W_3.weight.copy_(ours.W_3[0])
         ffn.W_2.weight.copy_(ours.W_2[0])
-    x = torch.randn(2, 5, 16, requires_grad=True)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     out, ref = ours(x), ffn(x)
     assert_close(out, ref, "output")
     grads, ref_grads = _grads(ours, x, out), _grads(ffn, x, ref)
     assert_close(grads["x"], ref_grads["x"], "x")
     for name in ("W_1", "W_3", "W_2"):
         assert_close(grads[name][0], ref_grads[f"{name}.weight"], name)
-    assert_close(grads["router.weight"], torch.zeros(1, 16), "router")  # one expert: g = 1 whatever the logits
+    zero = torch.zeros(1, 16, dtype=torch.float64)
+    assert_close(grads["router.weight"], zero, "router")  # one expert: g = 1 whatever the logits
 
 
 # ------------------------------------------------------------------ every dispatch path = the dense oracle
@@ -311,8 +313,8 @@ def test_a_layer_after_a_training_forward_can_be_deep_copied():
 
 
 def test_aux_losses_read_the_last_forward():
-    layer = _layer(8, 12, 4, 2)
-    x = torch.randn(2, 5, 8)
+    layer = _layer(8, 12, 4, 2).double()  # the router's logits again, summed in another order: float64
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
     layer(x)
     aux, z = layer.aux_losses()
     logits = x.reshape(-1, 8) @ layer.router.weight.T

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from ..nn.dtypes import at_least_float32
 from .decoding import IncrementalDecoder
 
 
@@ -57,7 +58,7 @@ def beam_search(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *, 
             cached_until = tokens.shape[1]
         else:
             logits = model(tokens)[0][:, -1]
-        step = torch.log_softmax(logits.float(), dim=-1).view(batch, k, -1)  # (B, k, V)
+        step = torch.log_softmax(at_least_float32(logits), dim=-1).view(batch, k, -1)  # (B, k, V)
         if eos_id is not None:
             only_eos = torch.full_like(step[0, 0], float("-inf"))
             only_eos[eos_id] = 0.0

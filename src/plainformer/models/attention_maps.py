@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..io.atomic import atomic_path
 from ..nn.attention import MultiHeadAttention
+from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
 from .bert import BertModel
 from .gpt import GPT
@@ -82,7 +83,7 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
     attentions = cast(list[MultiHeadAttention], modules)  # the layers' self_attn / cross_attn
     with eval_mode(model), torch.no_grad(), recorded_attention(attentions) as weights:
         call()
-    return torch.stack(weights)[:, 0].float()  # (L, H, n, m)
+    return at_least_float32(torch.stack(weights)[:, 0])  # (L, H, n, m)
 
 
 def _one_sequence(name: str, ids: Tensor) -> Tensor:
