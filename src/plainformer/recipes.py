@@ -101,13 +101,15 @@ _DEFAULT_TRAINING = dict(batch_size=16, optimizer="muon", muon_lr=0.02, lr=2e-3,
                          beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batches=40)
 
 # The default's shapes, by the machine's matmul rate in the dtype it trains in (1024^3 products): 4 x 256
-# where it fits ~550+ steps in the 200 s (bf16 on a Xeon with AMX, 340-1150 GFLOP/s), 4 x 192 below (fp32:
-# 113-150 GFLOP/s on an AVX2-only AMD, ~190 on a Xeon without AMX), which learns more there in 200 s.
-_DEFAULT_SHAPES = (Shape("4x256", 250.0, {}, {}), Shape("4x192", 0.0, dict(d_model=192, d_ff=512), {}))
+# where a 200 s run fits the ~600 steps it needs (bf16 on a Xeon with AMX, 340-1150 GFLOP/s); 3 x 128 below,
+# which fits ~1,100 steps in fp32 on an AVX2-only AMD (113-150 GFLOP/s) and learned more there in 200 s than
+# 4 x 256 (by 0.17), 3 x 192, 3 x 160, 4 x 128 or 6 x 128, as much as 3 x 96 (docs/experiments.md).
+_DEFAULT_SHAPES = (Shape("4x256", 250.0, {}, {}),
+                   Shape("3x128", 0.0, dict(n_layers=3, d_model=128, d_ff=344), {}))
 
 _RECIPES = [
     dataclasses.replace(
-        _gpt("default", "GPT, 3.2M parameters (1.8M on a slower CPU), character-level Shakespeare in under 5 "
+        _gpt("default", "GPT, 3.2M parameters (0.6M on a slower CPU), character-level Shakespeare in under 5 "
                         "minutes on 2 cores (README, 'Choosing the default')",
              max_steps=5000, max_time=DEFAULT_TRAINING_SECONDS, fit_to_time=True, **_DEFAULT_TRAINING),
         shapes=_DEFAULT_SHAPES),
