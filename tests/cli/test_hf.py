@@ -18,6 +18,7 @@ from PIL import Image
 import plainformer as pf
 from plainformer.cli import hf as cli_hf
 from plainformer.cli import main
+from plainformer.cli import train as cli_train
 from plainformer.models.attention_maps import attention_maps, figure_size
 
 TOLERANCE = 1e-4  # fp32 logits
@@ -36,6 +37,7 @@ def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLAINFORMER_CACHE", str(out / "cache"))
+        patch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 1e15)  # its 4 x 256 shape on any machine
         assert main(["train", "--preset", "default", "--out", str(out), "--max-steps", "3", "--batch-size", "2",
                      "--eval-batches", "1", "--no-progress"]) == 0
     return out

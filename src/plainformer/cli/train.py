@@ -103,6 +103,7 @@ class Run:
     checkpoint: Checkpoint | None
     progress: bool
     model_overrides: dict[str, Any]
+    shape_note: str | None = None  # the shape chosen for this machine, logged once training starts
 
     @property
     def resume(self) -> bool:
@@ -363,32 +364,31 @@ def resolve(args: argparse.Namespace, default_preset: str,
                         f"{', '.join(FINETUNE_FIELDS)} may be given, got {', '.join(sorted(model_given))}")
     if args.resume:
         return _resume(args, out, preset, recipe, saved, model_given, train_given, options_given)
+    shape_note = None
     if recipe.shapes and not recipe.shape_fields() & {*model_given, *train_given}:
-        recipe = _shaped_for_this_machine(recipe, train_given)
+        recipe, shape_note = _shaped_for_this_machine(recipe, train_given)
     model = recipe.model.replace(**model_given) if recipe.model is not None else None
     train = {**recipe.train.to_dict(), **train_given}
     _tie_schedule(train, train_given, model)
     return Run(preset, recipe.family, model, TrainConfig.from_dict(train),
-               {**recipe.options, **options_given}, out, None, not args.no_progress, model_given)
+               {**recipe.options, **options_given}, out, None, not args.no_progress, model_given, shape_note)
 
 
-def _shaped_for_this_machine(recipe: recipes.Recipe, train_given: Mapping[str, Any]) -> recipes.Recipe:
+def _shaped_for_this_machine(recipe: recipes.Recipe, train_given: Mapping[str, Any]) -> tuple[recipes.Recipe, str]:
     """The recipe in the shape for this machine's matmul rate, in the dtype the run will train in (a
-    probe of ~0.3 s), logged once; recipe.yaml then holds the shape's fields, so that --config and
-    --resume repeat it. The processes of a distributed launch would each measure their own rate, so
+    probe of ~0.3 s), and the line that says so; recipe.yaml then holds the shape's fields, so that --config
+    and --resume repeat it. The processes of a distributed launch would each measure their own rate, so
     there the first shape, for the fastest machines, is taken without a probe."""
     if current_launch().world_size > 1:
         shape, shaped = recipe.shaped_for(math.inf)
-        log(f"shape: {shape.name} (the first of preset {recipe.name!r}'s: every process must build it)")
-        return shaped
+        return shaped, f"shape: {shape.name} (the first of preset {recipe.name!r}'s: every process must build it)"
     assert recipe.model is not None  # a recipe with shapes has a model of its own
     width = getattr(recipe.model, "d_model", None)
     dtype, _ = resolve_dtype(train_given.get("dtype", recipe.train.dtype), "cpu", width)
     gflops = matmul_rate(getattr(torch, dtype), seconds=0.3) / 1e9
     shape, shaped = recipe.shaped_for(gflops)
-    log(f"shape: {shape.name} ({dtype} matmuls at {gflops:.0f} GFLOP/s on this machine; "
-        f"{recipe.name!r} takes it from {shape.min_gflops:g} GFLOP/s)")
-    return shaped
+    return shaped, (f"shape: {shape.name} ({dtype} matmuls at {gflops:.0f} GFLOP/s on this machine; "
+                    f"{recipe.name!r} takes it from {shape.min_gflops:g} GFLOP/s)")
 
 
 def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Recipe,
@@ -431,4 +431,10 @@ def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainCon
     run directory is locked, so that a run refused by the lock leaves the owner's recipe alone."""
     trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer, resume=run.resume,
                       progress=run.progress)
-    return trainer.fit(on_locked=lambda: log(f"recipe {run.preset} ({run.family}) -> {write_recipe(run)}"))
+
+    def on_locked() -> None:
+        if run.shape_note is not None:
+            log(run.shape_note)
+        log(f"recipe {run.preset} ({run.family}) -> {write_recipe(run)}")
+
+    return trainer.fit(on_locked=on_locked)
