@@ -23,6 +23,12 @@ def _run(capsys, *argv: str) -> tuple[int, list[str], str]:
     return status, out.splitlines(), err
 
 
+# The copy recipe's learned exact-match rate on its 500 test strings: 1.0 with the vector kernels (AVX2,
+# AVX-512, AMX), 0.998 with the scalar ones (ATEN_CPU_CAPABILITY=default), whose fp32 sums, taken in another
+# order through 900 steps, train other weights: a learned result, so a bound rather than an equality.
+COPIED = 0.99
+
+
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory):
     """`plainformer train --preset seq2seq-copy --out DIR`: (DIR, status, stdout lines)."""
@@ -37,8 +43,8 @@ def test_train_copy_recipe_copies_the_test_split_exactly(copy_run):
     out, status, lines = copy_run
     assert status == 0 and len(lines) == 1
     metrics = json.loads(lines[0])
-    assert metrics["test_exact_match"] == 1.0 and metrics["test_sentences"] == 500
-    assert metrics["test_bleu"] == pytest.approx(100.0)  # over characters: a symbol string is one word
+    assert metrics["test_exact_match"] >= COPIED and metrics["test_sentences"] == 500
+    assert metrics["test_bleu"] >= 100 * COPIED  # over characters: a symbol string is one word
     assert metrics["task"] == "copy" and metrics["step"] == 900
     assert (out / "best" / "model.safetensors").is_file() and (out / "recipe.yaml").is_file()
 
@@ -48,9 +54,9 @@ def test_eval_scores_the_runs_task_on_its_test_split(copy_run, capsys, command, 
     status, lines, err = _run(capsys, *command, "--ckpt", str(copy_run[0]), "--beam", beam)
     assert status == 0 and len(lines) == 1
     metrics = json.loads(lines[0])
-    assert metrics["exact_match"] == 1.0 and metrics["beam"] == int(beam) and metrics["task"] == "copy"
+    assert metrics["exact_match"] >= COPIED and metrics["beam"] == int(beam) and metrics["task"] == "copy"
     assert metrics["split"] == "test" and metrics["sentences"] == 500
-    assert "exact match 100.00%" in err
+    assert f"exact match {100 * metrics['exact_match']:.2f}%" in err
 
 
 def test_translate_prints_only_the_translations(copy_run, capsys, monkeypatch):
@@ -119,7 +125,7 @@ def test_eval_of_a_checkpoint_without_its_recipe_asks_for_task(copy_run, capsys,
     status, _, err = _run(capsys, "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"))
     assert status == 2 and "--task" in err
     status, lines, _ = _run(capsys, "eval", "--ckpt", str(tmp_path / "lonely" / "ckpt"), "--task", "copy")
-    assert status == 0 and json.loads(lines[0])["exact_match"] == 1.0
+    assert status == 0 and json.loads(lines[0])["exact_match"] >= COPIED
 
 
 def test_the_group_without_a_command_prints_its_own_help(capsys):
