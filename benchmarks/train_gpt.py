@@ -45,6 +45,7 @@ from _hf_gpt2 import gpt2_pair
 from attention import extra_peak_bytes
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer
+from plainformer.training.precision import matmul_rate
 
 SHAPES = {
     "nanogpt-cpu": dict(n_layers=4, n_heads=4, d_model=128, d_ff=512, vocab_size=65, block_size=64, batch=12),
@@ -66,21 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def matmul_flops_per_s(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
-    """Best throughput of repeated (size x size) @ (size x size) matmuls in `dtype`, FLOP/s."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
-
-
 def matmul_peak() -> dict[str, float]:
     """The measured matmul throughput of each of DTYPES, FLOP/s."""
-    return {"fp32": matmul_flops_per_s(torch.float32), "bf16": matmul_flops_per_s(torch.bfloat16)}
+    return {"fp32": matmul_rate(torch.float32, seconds=1.0), "bf16": matmul_rate(torch.bfloat16, seconds=1.0)}
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable,

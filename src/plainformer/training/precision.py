@@ -93,7 +93,7 @@ def slow_bf16_warning(dtype: str, device: torch.device | str) -> str | None:
     if dtype != "bfloat16" or native:
         return None
     # 256: a slow bf16 multiplies 1024 x 1024 in seconds
-    bf16, fp32 = (matmul_rate(dtype, device, size=256) for dtype in (torch.bfloat16, torch.float32))
+    bf16, fp32 = (matmul_rate(kind, device, size=256) for kind in (torch.bfloat16, torch.float32))
     return (f"warning: bfloat16 is not native here ({why}): its matmuls ran at {bf16 / 1e9:.1f} GFLOP/s "
             f"against {fp32 / 1e9:.0f} in float32 ({fp32 / bf16:.1f}x slower); training goes on "
             "(--dtype float32 or auto trains in float32)")
