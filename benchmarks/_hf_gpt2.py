@@ -2,7 +2,7 @@
 
 Both are GPT-2: learned positions, biases, GELU with the tanh approximation ("gelu_new"), LayerNorm
 (eps 1e-5), an output projection tied to the token embedding, dropout off. The weights are copied
-through the library's GPT-2 weight map (`plainformer.io.hf`).
+through the library's GPT-2 weight map (`plainformer.hf.gpt`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import plainformer as pf
-from plainformer.io.hf import state_from_hf
+from plainformer.hf.gpt import state_from_hf
 
 
 def gpt2_pair(n_layers: int, n_heads: int, d_model: int, d_ff: int, vocab_size: int, block_size: int,

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import extra_peak_bytes
 from plainformer.data.corpus import load_text
-from plainformer.io.hf_bert import minilm_path
-from plainformer.models.sentence import SentenceEncoder
+from plainformer.hf.bert import minilm_path
+from plainformer.hf.sentence import SentenceEncoder
 
 WARMUP_SENTENCES = 64
 

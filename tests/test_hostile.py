@@ -32,15 +32,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import plainformer as pf
+from plainformer.checkpoint import format as checkpoint
+from plainformer.checkpoint.format import load_checkpoint
 from plainformer.cli import main
 from plainformer.data import lm
 from plainformer.data.corpus import load_split
 from plainformer.data.tokenizers import CharTokenizer
-from plainformer.io import checkpoint
-from plainformer.io.atomic import DiskFullError
-from plainformer.io.checkpoint import load_checkpoint
-from plainformer.io.hf_bert import load_hf_bert_tokenizer, save_hf_bert
-from plainformer.io.run_lock import RunDirectoryBusy, run_lock
+from plainformer.files.atomic import DiskFullError
+from plainformer.files.run_lock import RunDirectoryBusy, run_lock
+from plainformer.hf.bert import load_hf_bert_tokenizer, save_hf_bert
 
 TINY_GPT = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--block-size", "8",
             "--batch-size", "2", "--eval-batches", "1", "--eval-interval", "0", "--warmup-steps", "1",
@@ -310,7 +310,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_sur
 
 
 def test_a_full_disk_while_writing_hugging_face_weights_is_one_error(tmp_path, hf_bert_dir, monkeypatch):
-    from plainformer.io import hf_bert
+    from plainformer.hf import bert as hf_bert
 
     def full(*args, **kwargs):
         raise FULL

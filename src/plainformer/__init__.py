@@ -5,6 +5,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .checkpoint.format import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config
 from .data.corpus import TextSplit, Work, load_split, load_text, split_text
 from .data.lm import (
@@ -20,16 +21,15 @@ from .data.tokenizers import (
     CharTokenizer,
     Tokenizer,
     WordPieceTokenizer,
-    load_hf_tokenizer,
     load_tokenizer,
-    save_hf_tokenizer,
 )
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
-from .io.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from .io.hf import load_hf, save_hf
-from .io.hf_bert import load_hf_bert, save_hf_bert
+from .hf.bert import load_hf_bert, save_hf_bert
+from .hf.gpt import load_hf, save_hf
+from .hf.sentence import SentenceEncoder
+from .hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
 from .models import (
     GPT,
     BertConfig,
@@ -41,7 +41,6 @@ from .models import (
     TransformerConfig,
 )
 from .models.attention_maps import attention_maps, plot_attention_maps
-from .models.sentence import SentenceEncoder
 from .nn.attention import (
     MultiHeadAttention,
     attention,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from plainformer.cli import main
-from plainformer.models.sentence import SentenceEncoder
+from plainformer.hf.sentence import SentenceEncoder
 
 TINY_MODEL = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--max-len", "32"]
 TINY_TRAINING = ["--batch-size", "4", "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "1",

@@ -562,7 +562,7 @@ def test_a_preparation_killed_midway_is_done_again(tmp_path):
     (entry,) = (tmp_path / "cache" / "lm").iterdir()
     leftovers = sorted(p.name for p in entry.iterdir())
     assert "train.bin" in leftovers and "stats.json" not in leftovers
-    assert any(name.startswith(".val.bin.") and name.endswith(".tmp") for name in leftovers)
+    assert any(name.startswith(".val.bin.tmp-") for name in leftovers)
     redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
     reference = prepare_lm_data(path, cache_dir=tmp_path / "reference")
     assert redone.directory == entry

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import transformers
 
 import plainformer as pf
-from plainformer.io.hf_bert import bert_config_to_hf, bert_name_map, bert_state_from_hf
+from plainformer.constants import IGNORE_INDEX
+from plainformer.hf.bert import bert_config_to_hf, bert_name_map, bert_state_from_hf
 from plainformer.models.bert import (
-    IGNORE_INDEX,
     BertConfig,
     BertForMaskedLM,
     BertForSequenceClassification,
@@ -149,7 +149,7 @@ def test_base_preset_has_bert_base_parameter_count():
 def test_minilm_preset_matches_the_packaged_config():
     import json
 
-    from plainformer.io.hf_bert import bert_config_from_hf, minilm_path
+    from plainformer.hf.bert import bert_config_from_hf, minilm_path
     packaged = bert_config_from_hf(json.loads((minilm_path() / "config.json").read_text()))
     assert packaged == BertConfig.from_preset("minilm-l6")
 

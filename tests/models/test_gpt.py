@@ -11,7 +11,7 @@ import transformers
 
 import plainformer as pf
 from plainformer.generation.decoding import iter_generate
-from plainformer.io.hf import state_from_hf
+from plainformer.hf.gpt import state_from_hf
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plainformer.io.checkpoint import save_checkpoint
+from plainformer.checkpoint.format import save_checkpoint
 from plainformer.models.transformer import (
     Transformer,
     TransformerConfig,

@@ -27,8 +27,8 @@ import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
+from plainformer.checkpoint.format import load_checkpoint
 from plainformer.data.lm import LMBatchSource
-from plainformer.io.checkpoint import load_checkpoint
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.nn.moe import MoEFeedForward
 from plainformer.training.config import TrainConfig

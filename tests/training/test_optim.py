@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.io.checkpoint import load_checkpoint
+from plainformer.checkpoint.format import load_checkpoint
 from plainformer.training import precision
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import BatchedMuon, MuonWithAdamW, make_optimizer, newton_schulz, set_lr

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from plainformer.io.checkpoint import load_checkpoint
+from plainformer.checkpoint.format import load_checkpoint
 from plainformer.models.bert import BertConfig, BertForMaskedLM
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.training import precision

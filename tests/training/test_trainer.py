@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import plainformer as pf
+from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.config import Config
-from plainformer.io.checkpoint import CheckpointError, load_checkpoint
-from plainformer.io.run_lock import RunDirectoryBusy
+from plainformer.files.run_lock import RunDirectoryBusy
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import lr_at, make_optimizer, parameter_groups
 from plainformer.training.trainer import Trainer, TrainingInterrupted
@@ -383,7 +383,7 @@ def test_resume_skips_metrics_lines_that_are_not_records_of_a_step(tmp_path):
     (dict(log_window=[1.0, 2]), "log_window"), (dict(evaluated_step=1.5), "evaluated_step"),
 ])
 def test_malformed_trainer_state_is_refused_naming_the_field(tmp_path, edit, field):
-    from plainformer.io import checkpoint
+    from plainformer.checkpoint import format as checkpoint
 
     train(tmp_path, max_steps=2)
     path = tmp_path / "last" / "trainer_state.json"

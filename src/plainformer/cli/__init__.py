@@ -28,15 +28,11 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..checkpoint.format import find_checkpoint
 from ..config import Config
-from ..io.checkpoint import find_checkpoint
+from ..errors import UserError
 from ..training.distributed import is_main_process, run_torchrun
 from ..training.trainer import TrainingInterrupted
-
-
-class UserError(Exception):
-    """An error the user can fix; printed as one line, exit status 2."""
-
 
 COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf", "prepare")
 

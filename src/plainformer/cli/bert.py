@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint.format import load_checkpoint
 from ..data.classification import ClassificationBatchSource, play_lines_task
 from ..data.corpus import SPLITS, load_split
 from ..data.lm import build_tokenizer, default_cache_dir
 from ..data.mlm import MLMBatchSource, encode_stream
 from ..data.tokenizers import WordPieceTokenizer
-from ..io.atomic import atomic_path
-from ..io.checkpoint import load_checkpoint, load_model
-from ..io.hf_bert import MINILM_NAME, resolve_bert_path
+from ..files.atomic import atomic_path
+from ..hf.bert import MINILM_NAME, resolve_bert_path
+from ..hf.sentence import SentenceEncoder, load_bert
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification
-from ..models.sentence import SentenceEncoder, load_bert
 from ..training.config import TrainConfig
 from ..training.evaluation import accuracy, mean_loss
 from . import (
@@ -155,7 +155,7 @@ def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, reci
     """`plainformer eval` of a masked LM: loss and masked-token accuracy over the run's fixed
     validation batches (the same masks as during training)."""
     saved = load_checkpoint(checkpoint, verify=False)
-    model = load_model(checkpoint, BertForMaskedLM, BertConfig)
+    model = BertForMaskedLM.from_checkpoint(checkpoint)
     batch_size, seed, n_batches = _saved_batching(args, saved)
     source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
                          model.config, seed)
@@ -170,7 +170,7 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
     saved = load_checkpoint(checkpoint, verify=False)
     if "plays" not in recipe:
         raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
-    model = load_model(checkpoint, BertForSequenceClassification, BertConfig)
+    model = BertForSequenceClassification.from_checkpoint(checkpoint)
     task = play_lines_task(recipe["plays"])
     batch_size, seed, _ = _saved_batching(args, saved)
     if not isinstance(model.tokenizer, WordPieceTokenizer):

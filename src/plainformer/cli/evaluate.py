@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
-from ..io.checkpoint import load_checkpoint
-from ..io.hf import is_hf_directory
+from ..hf.gpt import is_hf_directory
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,

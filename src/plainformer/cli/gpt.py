@@ -15,7 +15,7 @@ import torch
 from ..data.lm import LMBatchSource, prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..generation.decoding import iter_generate
-from ..io.hf import is_hf_directory, load_hf
+from ..hf.gpt import is_hf_directory, load_hf
 from ..models.gpt import GPT, GPTConfig
 from ..training.evaluation import validation_loss
 from . import (

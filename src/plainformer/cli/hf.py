@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.format import load_checkpoint
 from ..config import Config
 from ..data.tokenizers import Tokenizer
-from ..io.checkpoint import load_checkpoint, load_model
-from ..io.hf import is_hf_directory, load_hf, read_hf_config, save_hf
+from ..hf.gpt import is_hf_directory, load_hf, read_hf_config, save_hf
 from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..models.gpt import GPT, GPTConfig
@@ -53,7 +53,7 @@ def load_any(path: Path) -> Model:
     if family not in FAMILIES:
         raise UserError(f"{directory} holds a {family!r} model, which this command does not handle")
     model_cls, config_cls = FAMILIES[family]
-    return load_model(directory, model_cls, config_cls)
+    return model_cls.from_checkpoint(directory)
 
 
 # ----------------------------------------------------------------------------- export

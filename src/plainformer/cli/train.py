@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from .. import recipes
+from ..checkpoint.format import Checkpoint, load_checkpoint
 from ..config import Config, check_field_type
 from ..data.seq2seq import TASKS
-from ..io.atomic import atomic_path
-from ..io.checkpoint import Checkpoint, load_checkpoint
+from ..files.atomic import atomic_path
 from ..models.bert import BertConfig
 from ..models.gpt import GPTConfig
 from ..models.transformer import TransformerConfig

@@ -45,8 +45,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .. import _checks
-from ..io.atomic import atomic_path, reporting_full_disk
-from ..io.run_lock import run_lock
+from ..files.atomic import atomic_path, remove_stale_temporaries, reporting_full_disk
+from ..files.run_lock import run_lock
 from .corpus import (
     ENCODE_CHUNK_CHARS,
     SPLITS,
@@ -482,15 +482,9 @@ def _load_prepared(directory: Path, tokenizer: str | Tokenizer) -> LMData | None
 
 def _remove_leftovers(directory: Path) -> None:
     """What a preparation that did not finish left in `directory`: its tokenizer, and the temporary
-    files of `atomic_path` (".NAME.PID.RANDOM.tmp") whose process is gone (a kill -9)."""
+    files whose writer is gone (a kill -9)."""
     shutil.rmtree(directory / "tokenizer", ignore_errors=True)
-    for path in directory.glob(".*.tmp"):
-        try:
-            os.kill(int(path.name.split(".")[-3]), 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        except PermissionError:  # a live process of another user
-            pass
+    remove_stale_temporaries(directory)
 
 
 def _prepare(directory: Path, source: Source, val_source: Source | None, tokenizer: str | Tokenizer,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..models.bert import IGNORE_INDEX
+from ..constants import IGNORE_INDEX
 from .corpus import SPLITS, TextSplit, stable_seed
 from .tokenizers import WordPieceTokenizer
 

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..io.atomic import atomic_path
+from ..files.atomic import atomic_path
+from ..files.json_file import read_json_object
 
 FORMAT_VERSION = 1
 
@@ -76,16 +77,10 @@ def text_chunks(text: str, chunk_chars: int, start: int = 0, end: int | None = N
         start = cut
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_tokenizer_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not a valid JSON tokenizer file ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(path, what="a valid JSON tokenizer file")
 
 
 def _check_text(name: str, text: object) -> str:
@@ -279,10 +274,10 @@ class _HFTokenizer(Tokenizer):
         special = state.get("special_tokens")
         if not isinstance(special, dict):
             raise ValueError(f"{directory / SIDE_FILE}: 'special_tokens' must be an object")
-        return cls(_hf_from_file(directory / TOKENIZER_FILE), special)
+        return cls(hf_from_file(directory / TOKENIZER_FILE), special)
 
 
-def _hf_from_file(path: Path) -> Any:
+def hf_from_file(path: Path) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
@@ -397,10 +392,10 @@ class WordPieceTokenizer(_HFTokenizer):
             if lowercase is not None:
                 raise ValueError("lowercase cannot be set when loading a tokenizer.json: "
                                  "its normaliser already decides")
-            return cls(_hf_from_file(path), BERT_SPECIAL_TOKENS)
+            return cls(hf_from_file(path), BERT_SPECIAL_TOKENS)
         if lowercase is None:
             config = path.parent / "tokenizer_config.json"
-            lowercase = bool(_read_json(config).get("do_lower_case", True)) if config.is_file() else True
+            lowercase = bool(read_tokenizer_json(config).get("do_lower_case", True)) if config.is_file() else True
         model = hf.models.WordPiece.from_file(str(path), unk_token=BERT_SPECIAL_TOKENS["unk"],
                                               max_input_chars_per_word=100)
         return cls._framed(cls._pipeline(model, lowercase))
@@ -455,7 +450,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {directory}")
     side = directory / SIDE_FILE
-    state = _read_json(side if side.is_file() else directory / TOKENIZER_FILE)
+    state = read_tokenizer_json(side if side.is_file() else directory / TOKENIZER_FILE)
     kind = state.get("kind")
     if kind not in _KINDS:
         hint = (" (a Hugging Face BERT tokenizer loads with WordPieceTokenizer.from_pretrained)"
@@ -466,85 +461,3 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         raise ValueError(f"{directory}: tokenizer format_version {state.get('format_version')!r} is not "
                          f"supported (expected {FORMAT_VERSION})")
     return _KINDS[kind]._from_saved(directory, state)
-
-
-# ----------------------------------------------------------------------------- Hugging Face directories
-
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-_CHAR_UNKNOWN = "<unk>"  # absent from the vocabulary on purpose: an unknown character is an error there too
-
-
-def _char_as_hf(tokenizer: CharTokenizer) -> Any:
-    """A `tokenizers.Tokenizer` giving a char tokenizer's ids: each character is a word, looked up whole."""
-    tok = hf.Tokenizer(hf.models.WordLevel({c: i for i, c in enumerate(tokenizer.chars)},
-                                           unk_token=_CHAR_UNKNOWN))
-    tok.pre_tokenizer = hf.pre_tokenizers.Split(hf.Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = hf.decoders.Fuse()
-    return tok
-
-
-def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike, *,
-                      model_max_length: int | None = None) -> Path:
-    """Write `tokenizer` as Hugging Face tokenizer.json + tokenizer_config.json, which
-    `transformers.AutoTokenizer.from_pretrained(directory)` loads as a fast tokenizer giving the same ids
-    (`encode(text, add_special_tokens=True)`) and texts; plainformer's side file rides along, so
-    `load_tokenizer` and `load_hf_tokenizer` restore the original."""
-    if not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer must be a plainformer Tokenizer, got {type(tokenizer).__name__}")
-    if model_max_length is not None:
-        _checks.check_positive_int("model_max_length", model_max_length)
-    if isinstance(tokenizer, CharTokenizer):
-        backend = _char_as_hf(tokenizer)
-        side = {"kind": tokenizer.kind, "format_version": FORMAT_VERSION, "chars": tokenizer.chars}
-        files = {TOKENIZER_FILE: backend.to_str(), SIDE_FILE: json.dumps(side, ensure_ascii=False, indent=1)}
-    else:
-        files = tokenizer._files()
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              **{f"{role}_token": token for role, token in tokenizer.special_tokens.items()}}
-    if model_max_length is not None:
-        config["model_max_length"] = model_max_length
-    files[HF_TOKENIZER_CONFIG] = json.dumps(config, ensure_ascii=False, indent=1, sort_keys=True)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        with atomic_path(directory / name) as tmp:
-            tmp.write_text(content, encoding="utf-8")
-    return directory
-
-
-def _hf_special_tokens(directory: Path) -> dict[str, str]:
-    """Role -> token text, from the `<role>_token` entries of a tokenizer_config.json (if any)."""
-    path = directory / HF_TOKENIZER_CONFIG
-    config = _read_json(path) if path.is_file() else {}
-    special = {}
-    for role in SPECIAL_ROLES:
-        token = config.get(f"{role}_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            special[role] = token
-    return special
-
-
-def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a Hugging Face directory as ours: plainformer's own when its side file is there,
-    else the tokenizer.json's model — byte-level BPE (any BPE) as `BPETokenizer`, WordPiece as
-    `WordPieceTokenizer`, a one-character-per-token WordLevel as `CharTokenizer` — with the special
-    tokens tokenizer_config.json names."""
-    directory = Path(directory)
-    if (directory / SIDE_FILE).is_file():
-        return load_tokenizer(directory)
-    path = directory / TOKENIZER_FILE
-    model = _read_json(path).get("model") or {}
-    kind = model.get("type")
-    tok = _hf_from_file(path)
-    present = {role: t for role, t in _hf_special_tokens(directory).items() if tok.token_to_id(t) is not None}
-    if kind == "BPE":
-        return BPETokenizer(tok, present)
-    if kind == "WordPiece":
-        return WordPieceTokenizer(tok, present or BERT_SPECIAL_TOKENS)
-    vocab = tok.get_vocab(with_added_tokens=True)
-    chars = sorted(vocab)
-    if kind == "WordLevel" and all(len(c) == 1 for c in chars) and [vocab[c] for c in chars] == list(range(len(chars))):
-        return CharTokenizer("".join(chars))
-    raise ValueError(f"{path}: a {kind!r} tokenizer model does not load as a plainformer tokenizer "
-                     "(expected BPE, WordPiece, or a WordLevel of single characters in sorted order)")

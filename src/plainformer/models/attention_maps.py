@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks
-from ..io.atomic import atomic_path
+from ..files.atomic import atomic_path
 from ..nn.attention import MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode

@@ -24,17 +24,18 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..config import Config
+from ..constants import IGNORE_INDEX
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
+from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
     from ..data.tokenizers import Tokenizer
 
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass
@@ -144,7 +145,7 @@ def _check_config(config: object) -> BertConfig:
     return config
 
 
-class BertModel(nn.Module):
+class BertModel(SavedModel):
     """The encoder: embeddings, n_layers post-LN `EncoderLayer`s and the [CLS] pooler.
 
     forward(input_ids (B, n), attention_mask (B, n) | None, token_type_ids (B, n) | None) -> BertOutput.
@@ -153,7 +154,8 @@ class BertModel(nn.Module):
     """
 
     family = "bert"
-    tokenizer: Tokenizer | None  # set by load_model and load_hf
+    config_class = BertConfig
+    tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -222,7 +224,7 @@ class BertMLMHead(nn.Module):
         return F.linear(h, word_embedding, self.bias)
 
 
-class BertForMaskedLM(nn.Module):
+class BertForMaskedLM(SavedModel):
     """BERT with the masked-LM head. forward(...) -> (logits, loss | None).
 
     Without labels: logits (B, n, vocab_size) at every position, loss None.
@@ -236,7 +238,8 @@ class BertForMaskedLM(nn.Module):
     """
 
     family = "bert-mlm"
-    tokenizer: Tokenizer | None  # set by load_model and load_hf
+    config_class = BertConfig
+    tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -262,14 +265,15 @@ class BertForMaskedLM(nn.Module):
         return logits, F.cross_entropy(at_least_float32(logits), labels[selected])
 
 
-class BertForSequenceClassification(nn.Module):
+class BertForSequenceClassification(SavedModel):
     """BERT with a classifier on the pooled [CLS]. forward(...) -> (logits (B, n_labels), loss | None).
 
     labels (B,): class indices in [0, n_labels); the loss is their mean cross-entropy.
     """
 
     family = "bert-cls"
-    tokenizer: Tokenizer | None  # set by load_model and load_hf
+    config_class = BertConfig
+    tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
 
     def __init__(self, config: BertConfig):
         super().__init__()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -28,9 +27,9 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..config import Config
+from ..constants import IGNORE_INDEX
 from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
-from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.dtypes import at_least_float32
@@ -42,6 +41,7 @@ from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding
+from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
     from ..data.tokenizers import Tokenizer
@@ -146,10 +146,11 @@ class GPTConfig(Config):
         return self.d_model // self.n_heads
 
 
-class GPT(nn.Module):
+class GPT(SavedModel):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
     family = "gpt"
+    config_class = GPTConfig
     tokenizer: Tokenizer | None
 
     def __init__(self, config: GPTConfig):
@@ -228,7 +229,7 @@ class GPT(nn.Module):
                 kv_caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, n) token ids -> logits (B, n, vocab_size) and the mean next-token loss.
 
-        targets (B, n): the token that follows each position; -100 marks positions to ignore.
+        targets (B, n): the token that follows each position; IGNORE_INDEX (-100) marks positions to ignore.
         kv_caches (one per block): decode incrementally; idx then holds the new positions only.
         """
         if targets is not None:
@@ -241,7 +242,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(self.hidden_states(idx, kv_caches=kv_caches)))  # (B, n, vocab_size)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
         if self.training and self.config.n_experts:
             aux, z = mean_router_losses(moe_layers(self))
             loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
@@ -302,9 +303,3 @@ class GPT(nn.Module):
             return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
                                    top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> GPT:
-        """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
-        return load_model(directory, cls, GPTConfig, map_location=map_location)

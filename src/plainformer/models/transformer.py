@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -33,12 +32,12 @@ from ..config import Config
 from ..generation.adapters import SourceBoundDecoder
 from ..generation.beam_search import beam_search
 from ..generation.decoding import generate as generate_tokens
-from ..io.checkpoint import load_model
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
+from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
     from ..data.tokenizers import Tokenizer
@@ -133,11 +132,12 @@ def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, smoothing: flo
                            ignore_index=ignore_index, label_smoothing=smoothing)
 
 
-class Transformer(nn.Module):
+class Transformer(SavedModel):
     """Encoder-decoder Transformer. forward(src (B, m), tgt_in (B, n), tgt_out (B, n) | None)
     -> (logits (B, n, tgt_vocab_size), label-smoothed loss | None)."""
 
     family = "transformer"
+    config_class = TransformerConfig
     tokenizer: Tokenizer | None
 
     def __init__(self, config: TransformerConfig):
@@ -270,9 +270,3 @@ class Transformer(nn.Module):
                 translations[i] = tokenizer.decode(row[1:])
         return translations
 
-    # ------------------------------------------------------------------ checkpoints
-
-    @classmethod
-    def from_checkpoint(cls, directory: str | Path, *, map_location: str = "cpu") -> Transformer:
-        """A trained model from a checkpoint directory, with its tokenizer as `.tokenizer`."""
-        return load_model(directory, cls, TransformerConfig, map_location=map_location)

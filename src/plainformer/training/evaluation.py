@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..models.bert import IGNORE_INDEX  # labels that are not scored
+from ..constants import IGNORE_INDEX  # labels that are not scored
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
 

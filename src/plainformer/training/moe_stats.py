@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io.atomic import atomic_path
+from ..files.atomic import atomic_path
 from ..nn.moe import mean_router_losses, moe_layers
 
 

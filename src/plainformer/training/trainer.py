@@ -28,15 +28,15 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..config import Config
-from ..io.checkpoint import (
+from ..checkpoint.format import (
     Checkpoint,
     CheckpointError,
     capture_rng_state,
     load_checkpoint,
     save_checkpoint,
 )
-from ..io.run_lock import run_lock
+from ..config import Config
+from ..files.run_lock import run_lock
 from ..nn.attention import check_trainable
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode

@@ -1,4 +1,4 @@
-"""Tests for plainformer.io.run_lock: one owner per run directory, released by the kernel."""
+"""Tests for plainformer.files.run_lock: one owner per run directory, released by the kernel."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from plainformer.io.run_lock import LOCK_FILE, RunDirectoryBusy, run_lock
+from plainformer.files.run_lock import LOCK_FILE, RunDirectoryBusy, run_lock
 
 HOLD = """
 import sys, time
-from plainformer.io.run_lock import run_lock
+from plainformer.files.run_lock import run_lock
 with run_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)

@@ -1,10 +1,10 @@
-"""Tests for plainformer.io.atomic: a write replaces the old file in one rename or leaves it alone."""
+"""Tests for plainformer.files.atomic: a write replaces the old file in one rename or leaves it alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from plainformer.io.atomic import atomic_path
+from plainformer.files.atomic import atomic_path
 
 
 def test_a_write_replaces_the_file_and_leaves_no_temporary(tmp_path):

@@ -14,8 +14,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import plainformer as pf
-from plainformer.data.tokenizers import load_hf_tokenizer, save_hf_tokenizer
-from plainformer.io.hf import weight_map
+from plainformer.hf.gpt import weight_map
+from plainformer.hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
 
 TOLERANCE = 1e-4  # fp32 logits, as the issue states
 TINY = dict(vocab_size=61, block_size=48, n_layers=2, n_heads=4, d_model=32, d_ff=64, dropout=0.0)

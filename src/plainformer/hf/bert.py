@@ -39,8 +39,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ..data.tokenizers import WordPieceTokenizer
+from ..files.atomic import atomic_path, reporting_full_disk
 from ..models.bert import BertConfig, BertModel
-from .atomic import atomic_path, reporting_full_disk
 
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"

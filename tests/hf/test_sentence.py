@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plainformer.checkpoint.format import save_checkpoint
 from plainformer.data.tokenizers import WordPieceTokenizer
-from plainformer.io.checkpoint import save_checkpoint
-from plainformer.io.hf_bert import minilm_path
+from plainformer.hf.bert import minilm_path
+from plainformer.hf.sentence import SentenceEncoder, mean_pool
 from plainformer.models.bert import BertConfig, BertForMaskedLM
-from plainformer.models.sentence import SentenceEncoder, mean_pool
 from tests.reference.torch_reference import assert_close
 
 SENTENCES = [

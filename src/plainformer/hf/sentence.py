@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
+from ..checkpoint.format import load_checkpoint
 from ..data.tokenizers import WordPieceTokenizer
-from ..io.checkpoint import load_checkpoint
-from ..io.hf_bert import (
+from ..hf.bert import (
     HF_CONFIG,
     load_hf_bert,
     load_hf_bert_tokenizer,

@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from plainformer.io import hf_bert as interop
-from plainformer.io.hf_bert import (
+from plainformer.hf import bert as interop
+from plainformer.hf.bert import (
     bert_config_from_hf,
     bert_config_to_hf,
     bert_state_from_hf,

@@ -28,24 +28,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import random
-import shutil
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..config import Config
-from .atomic import reporting_full_disk
+from ..data.tokenizers import load_tokenizer
+from ..files.atomic import atomic_directory, reporting_full_disk, surviving
+from ..files.json_file import read_json
+from .errors import CheckpointError, check_like
+from .optimizer_state import flatten_optimizer_state, optimizer_state_dict
+from .rng import capture_rng_state, restore_rng_state
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -61,22 +61,7 @@ MANIFEST = "manifest.json"
 _OWN_FILES = (CONFIG, MODEL, OPTIMIZER, OPTIMIZER_META, TRAINER_STATE, RNG_STATE, MANIFEST)
 
 _ALIASES_KEY = "plainformer.aliases"
-_TMP_INFIX = ".tmp-"  # DIR's temporary sibling: .{DIR name}.tmp-{pid}-{random}
-
-# The per-parameter state torch's Adam and AdamW keep; other optimizers get the generic checks only.
-_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
-# What each optimizer keeps per parameter once it has stepped (amsgrad's max_exp_avg_sq is allowed besides).
-_KEPT_STATE = {torch.optim.Adam: _ADAM_STATE, torch.optim.AdamW: _ADAM_STATE,
-               torch.optim.Muon: frozenset({"momentum_buffer"})}
-# Param-group flags that choose how this optimizer runs here, not what it learned: kept, not loaded.
-_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-
-
 C = TypeVar("C", bound=Config)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete, corrupted or does not fit what it is loaded into."""
 
 
 # ----------------------------------------------------------------------------- saving
@@ -100,45 +85,12 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[
     if not isinstance(family, str) or not family:
         raise ValueError(f"family must be a non-empty string such as 'gpt', got {family!r}")
     target = Path(directory)
-    with reporting_full_disk(target, "checkpoint"):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(target)
-        tmp = target.parent / f".{target.name}{_TMP_INFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
-            _write_contents(tmp, model=model, family=family, model_config=model_config,
-                            train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
-                            trainer_state=trainer_state, rng_states=rng_states)
-            _write_manifest(tmp)
-            _fsync_tree(tmp)
-            _swap_into_place(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with reporting_full_disk(target, "checkpoint"), atomic_directory(target) as tmp:
+        _write_contents(tmp, model=model, family=family, model_config=model_config,
+                        train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
+                        trainer_state=trainer_state, rng_states=rng_states)
+        _write_manifest(tmp)
     return target
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete the temporary directories that saves killed mid-way left beside `target`: those of any
-    sibling whose process is gone, and those of `target` itself from before pids were in the name."""
-    for path in target.parent.glob(f".*{_TMP_INFIX}*"):
-        owner = path.name.rpartition(_TMP_INFIX)[2].partition("-")[0]
-        if owner.isdigit():
-            if int(owner) != os.getpid() and _process_alive(int(owner)):
-                continue
-        elif not path.name.startswith(f".{target.name}{_TMP_INFIX}"):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone, or a number no pid reaches
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _write_contents(tmp: Path, *, model, family, model_config, train_config, tokenizer, optimizer,
@@ -155,7 +107,7 @@ def _write_contents(tmp: Path, *, model, family, model_config, train_config, tok
     tensors, aliases = _dedupe_shared(model.state_dict() if isinstance(model, nn.Module) else model)
     save_file(tensors, tmp / MODEL, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
     if optimizer is not None:
-        tensors, meta = _flatten_optimizer_state(optimizer if isinstance(optimizer, Mapping)
+        tensors, meta = flatten_optimizer_state(optimizer if isinstance(optimizer, Mapping)
                                                  else optimizer.state_dict())
         save_file(tensors, tmp / OPTIMIZER)
         _write_json(tmp / OPTIMIZER_META, meta)
@@ -201,32 +153,6 @@ def _dedupe_shared(state_dict: Mapping[str, Tensor]) -> tuple[dict[str, Tensor],
     return tensors, aliases
 
 
-def _flatten_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """{"state": {i: {name: value}}, "param_groups": [...]} -> tensors "state.{i}.{name}" + JSON rest."""
-    tensors: dict[str, Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, per_param in state["state"].items():
-        for name, value in per_param.items():
-            if isinstance(value, Tensor):
-                tensors[f"state.{index}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(index), {})[name] = value
-    return tensors, {"param_groups": state["param_groups"], "scalar_state": scalars}
-
-
-def capture_rng_state(cuda_devices: Sequence[int] | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """This process's torch (CPU, and CUDA `cuda_devices`, default all once initialised), Python and
-    numpy RNG states, as (uint8 tensors, JSON)."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i in range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices:
-            tensors[f"torch_cuda_{i}"] = torch.cuda.get_rng_state(i)
-    version, internal, gauss_next = random.getstate()
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    return tensors, {"python": [version, list(internal), gauss_next],
-                     "numpy": [name, np.asarray(keys).tolist(), pos, has_gauss, cached_gaussian]}
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -239,38 +165,6 @@ def _write_manifest(tmp: Path) -> None:
     files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _old_path(target: Path) -> Path:
-    return target.parent / f".{target.name}.old"
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target`, keeping a complete checkpoint on disk at every instant."""
-    old = _old_path(target)
-    if target.exists():
-        # A leftover `old` next to an existing target is a finished swap's debris; the target is whole.
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -327,7 +221,7 @@ class Checkpoint:
         if missing or unexpected:
             raise CheckpointError(f"{where}: missing {_few(missing)}; unexpected {_few(unexpected)}")
         for name, tensor in expected.items():
-            _check_like(f"{where}: {name}", saved[name], tensor, exact_dtype=False)
+            check_like(f"{where}: {name}", saved[name], tensor, exact_dtype=False)
         return saved
 
     def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -339,14 +233,9 @@ class Checkpoint:
         (built over the same parameters)."""
         if not self.has_optimizer_state:
             raise CheckpointError(f"{self.path} holds no optimizer state ({OPTIMIZER} is missing)")
-        tensors = _read_safetensors(self.path / OPTIMIZER)
-        meta = _read_json(self.path / OPTIMIZER_META)
-        if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list):
-            raise CheckpointError(f"{self.path / OPTIMIZER_META} has no 'param_groups' list")
-        groups, params = _param_groups(self.path / OPTIMIZER_META, meta["param_groups"], optimizer)
-        state = _optimizer_state(self.path, tensors, meta.get("scalar_state", {}), params,
-                                 _kept_state(optimizer))
-        return {"state": state, "param_groups": groups}
+        return optimizer_state_dict(self.path / OPTIMIZER, self.path / OPTIMIZER_META,
+                                    _read_safetensors(self.path / OPTIMIZER),
+                                    _read_json(self.path / OPTIMIZER_META), optimizer)
 
     @property
     def rng_ranks(self) -> int:
@@ -366,16 +255,7 @@ class Checkpoint:
                    if name.startswith(prefix) and (rank or not name.startswith("rank"))}
         rng = self.trainer_state["rng"] if rank == 0 else self.trainer_state["rng_other_ranks"][rank - 1]
         try:
-            torch.set_rng_state(tensors["torch_cpu"])
-            cuda = {int(name.rsplit("_", 1)[1]): t for name, t in tensors.items() if name.startswith("torch_cuda_")}
-            for device, state in cuda.items():
-                if torch.cuda.is_available() and device < torch.cuda.device_count():
-                    torch.cuda.set_rng_state(state, device)
-            version, internal, gauss_next = rng["python"]
-            random.setstate((version, tuple(internal), gauss_next))
-            name, keys, pos, has_gauss, cached_gaussian = rng["numpy"]
-            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss,
-                                 cached_gaussian))
+            restore_rng_state(tensors, rng)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"RNG state in {self.path} is malformed: {e}") from None
 
@@ -383,7 +263,6 @@ class Checkpoint:
         """The tokenizer saved with this checkpoint (via `plainformer.data.tokenizers.load_tokenizer`)."""
         if not self.has_tokenizer:
             raise CheckpointError(f"{self.path} holds no tokenizer (tokenizer.json is missing)")
-        from ..data.tokenizers import load_tokenizer
         return load_tokenizer(self.path)
 
 
@@ -424,30 +303,10 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
                       trainer_state=trainer_state, format_version=config["format_version"])
 
 
-def load_model(directory: str | os.PathLike, model_cls: type[ModuleT], config_cls: type[Config],
-               *, map_location: str | torch.device = "cpu") -> ModuleT:
-    """A trained `model_cls` (checked against its `family`) built from the saved `config_cls` and
-    weights, in eval mode, with the saved tokenizer (if any) as `.tokenizer`."""
-    checkpoint = load_checkpoint(directory)
-    family = model_cls.family  # type: ignore[attr-defined]  # a class attribute of every model family
-    if checkpoint.family != family:
-        raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
-                              f"not a {model_cls.__name__} ({family!r})")
-    model = model_cls(checkpoint.config(config_cls))
-    checkpoint.restore_model(model)
-    model.to(map_location)
-    model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None  # type: ignore[assignment]
-    return model.eval()
-
-
 def find_checkpoint(directory: str | os.PathLike) -> Path | None:
     """Where `load_checkpoint(directory)` reads: `directory`, or, when it is gone, the copy that a save
     interrupted between its two renames left at `.{name}.old`; None when neither is a directory."""
-    directory = Path(directory)
-    old = _old_path(directory)
-    if not directory.exists() and old.is_dir():
-        return old
-    return directory if directory.is_dir() else None
+    return surviving(directory)
 
 
 def _locate(directory: Path) -> Path:
@@ -490,12 +349,7 @@ def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    return read_json(path, error=CheckpointError)
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -534,107 +388,3 @@ def _few(names: list[str]) -> str:
 def _check_field(file: Path, key: str, value: Any, kinds: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise CheckpointError(f"{file}: {key!r} has the wrong type ({type(value).__name__}): {value!r:.100}")
-
-
-def _check_like(where: str, saved: Tensor, expected: Tensor, *, exact_dtype: bool) -> None:
-    """`saved` has `expected`'s shape, and its dtype (or, unless exact_dtype, another float dtype)."""
-    if saved.shape != expected.shape:
-        raise CheckpointError(f"{where} has shape {tuple(saved.shape)}, expected {tuple(expected.shape)}")
-    same_kind = saved.is_floating_point() and expected.is_floating_point() and not exact_dtype
-    if saved.dtype != expected.dtype and not same_kind:
-        raise CheckpointError(f"{where} has dtype {saved.dtype}, expected {expected.dtype}")
-
-
-def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
-                  ) -> tuple[list[dict[str, Any]], dict[int, Tensor]]:
-    """The saved param groups checked against the optimizer's, each hyperparameter of the type the
-    optimizer uses (JSON made tuples lists); and saved parameter id -> the parameter it stands for."""
-    current = optimizer.param_groups
-    sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
-             for g in saved]
-    if sizes != [len(c["params"]) for c in current]:
-        raise CheckpointError(f"{file} describes param groups of sizes {sizes} but the optimizer has "
-                              f"{[len(c['params']) for c in current]}; build it over the same model")
-    ids = [i for g in saved for i in g["params"]]
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids) or len(set(ids)) != len(ids):
-        raise CheckpointError(f"{file}: the 'params' of the param groups must be distinct integers")
-    groups = []
-    for number, (group, ours) in enumerate(zip(saved, current, strict=True)):
-        values = {"params": group["params"]}
-        for key, value in ours.items():
-            if key in _IMPLEMENTATION_FLAGS:
-                values[key] = value
-            elif key != "params":
-                values[key] = _hyperparameter(f"{file}: param group {number}, {key!r}",
-                                              group.get(key, value), value)
-        groups.append(values)
-    return groups, dict(zip(ids, (p for c in current for p in c["params"]), strict=True))
-
-
-def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:
-    """`saved` converted to the type of `ours` (tuple for a list, a finite float for a number)."""
-    def number(x: Any) -> bool:
-        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-
-    if isinstance(ours, tuple) and isinstance(saved, (list, tuple)) and len(saved) == len(ours) \
-            and all(map(number, saved)):
-        return tuple(saved)
-    if isinstance(ours, bool) or ours is None or isinstance(ours, str):
-        ok = type(saved) is type(ours)
-    else:
-        ok = isinstance(ours, (int, float, Tensor)) and number(saved)
-    if not ok:
-        raise CheckpointError(f"{where} is {saved!r:.60}, expected a value like {ours!r:.60}")
-    return saved
-
-
-def _kept_state(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, frozenset[str]]]:
-    """Parameter index (param_groups order) -> (optimizer name, the state it keeps per parameter), for
-    the optimizers whose state is known: Adam, AdamW, Muon, also as the parts of one that steps several
-    (training.optim.MuonWithAdamW, its `optimizers`)."""
-    kept: dict[int, tuple[str, frozenset[str]]] = {}
-    index = 0
-    for part in getattr(optimizer, "optimizers", [optimizer]):
-        keys = next((k for cls, k in _KEPT_STATE.items() if isinstance(part, cls)), None)
-        for group in part.param_groups:
-            for _ in group["params"]:
-                if keys is not None:
-                    kept[index] = (type(part).__name__, keys)
-                index += 1
-    return kept
-
-
-def _optimizer_state(path: Path, tensors: Mapping[str, Tensor], scalar_state: Any, params: Mapping[int, Tensor],
-                     kept: Mapping[int, tuple[str, frozenset[str]]]) -> dict[int, dict[str, Any]]:
-    """{param id: {name: value}} from "state.{id}.{name}" tensors and the JSON scalars, each checked
-    against its parameter: a `step` is a float scalar; every other tensor has the parameter's shape
-    and dtype (torch's fused kernels read them unchecked); the state of a parameter in `kept` is complete."""
-    file = path / OPTIMIZER
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        prefix, index, name = (key.split(".", 2) + ["", ""])[:3]
-        if prefix != "state" or not index.isdigit() or int(index) not in params or not name:
-            raise CheckpointError(f"{file} holds {key!r}, which is not 'state.{{i}}.{{name}}' for one of "
-                                  f"the optimizer's {len(params)} parameters")
-        where = f"{file}: {key}"
-        if name == "step":
-            if value.shape != () or not value.is_floating_point():
-                raise CheckpointError(f"{where} must be a float scalar, got {value.dtype} of shape "
-                                      f"{tuple(value.shape)}")
-        else:
-            _check_like(where, value, params[int(index)], exact_dtype=True)
-        state.setdefault(int(index), {})[name] = value
-    if not isinstance(scalar_state, dict):
-        raise CheckpointError(f"{path / OPTIMIZER_META}: 'scalar_state' must be an object")
-    for index, scalars in scalar_state.items():
-        if not index.isdigit() or int(index) not in params or not isinstance(scalars, dict) \
-                or not all(isinstance(v, (int, float, bool)) or v is None for v in scalars.values()):
-            raise CheckpointError(f"{path / OPTIMIZER_META}: 'scalar_state' entry {index!r} must map "
-                                  "names to numbers for one of the optimizer's parameters")
-        state.setdefault(int(index), {}).update(scalars)
-    for number, values in state.items():
-        if number in kept and set(values) - {"max_exp_avg_sq"} != kept[number][1]:
-            name, keys = kept[number]
-            raise CheckpointError(f"{file}: the state of parameter {number} holds {sorted(values)}; "
-                                  f"{name} keeps {sorted(keys)}")
-    return state

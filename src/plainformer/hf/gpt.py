@@ -46,11 +46,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from ..data.tokenizers import TOKENIZER_FILE, Tokenizer, load_hf_tokenizer, save_hf_tokenizer
+from ..data.tokenizers import TOKENIZER_FILE, Tokenizer
+from ..files.atomic import atomic_path
 from ..models.bert import BertModel
 from ..models.gpt import GPT, GPTConfig
-from .atomic import atomic_path
-from .hf_bert import (
+from .bert import (
     HF_CONFIG,
     SAFETENSORS,
     load_hf_bert,
@@ -58,6 +58,7 @@ from .hf_bert import (
     read_hf_weights,
     save_hf_bert,
 )
+from .tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
 
 EMBEDDING, NORM, LINEAR, CONV1D = "embedding", "norm", "linear", "conv1d"
 SHARD_INDEX = "model.safetensors.index.json"

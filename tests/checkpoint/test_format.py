@@ -1,4 +1,4 @@
-"""Tests for plainformer.io.checkpoint: round trips, tied weights, corruption, atomic replacement."""
+"""Tests for plainformer.checkpoint.format: round trips, tied weights, corruption, atomic replacement."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from plainformer.checkpoint import format as checkpoint
+from plainformer.checkpoint.format import CheckpointError, load_checkpoint, save_checkpoint
 from plainformer.data.tokenizers import CharTokenizer
-from plainformer.io import checkpoint
-from plainformer.io.atomic import DiskFullError
-from plainformer.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from plainformer.files.atomic import DiskFullError
 
 
 class TiedNet(nn.Module):

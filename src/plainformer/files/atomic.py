@@ -1,0 +1,167 @@
+"""Atomic writes of a file or a directory: a reader sees the old one or the new one, never half of one;
+and a full disk reported as one line saying where, not as a library's traceback.
+
+Every temporary has one name scheme, `.{name}.tmp-{pid}-{random}` beside the path it becomes, so one
+sweep (`remove_stale_temporaries`) can tell whose it is and whether its writer is still alive. A
+directory replaces an existing one in two renames (the old one first to `.{name}.old`, deleted once the
+new one is in place), so a crash at any instant leaves a complete copy at one of the two names;
+`surviving` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+# The Rust side of safetensors reports the OS error in its message only.
+_FULL_DISK_MESSAGES = ("No space left on device", "Disk quota exceeded")
+_TMP_INFIX = ".tmp-"
+
+
+class DiskFullError(OSError):
+    """Writing `path` failed because its file system is full (ENOSPC) or over quota (EDQUOT)."""
+
+    def __init__(self, path: str | os.PathLike, what: str):
+        super().__init__(errno.ENOSPC, f"the disk is full: could not write {what} {path}; "
+                                       f"free space on the file system of {Path(path).parent} and retry")
+        self.filename = None  # already in the message; OSError would append it once more
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, SafetensorError) and any(m in str(error) for m in _FULL_DISK_MESSAGES)
+
+
+@contextlib.contextmanager
+def reporting_full_disk(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn a full-disk error raised inside the block into a `DiskFullError` naming `what` and `path`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        if isinstance(error, DiskFullError) or not is_disk_full(error):
+            raise
+        raise DiskFullError(path, what) from None
+
+
+def temporary_name(path: Path) -> Path:
+    """A fresh temporary beside `path`, named after it and this process."""
+    return path.with_name(f".{path.name}{_TMP_INFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary path beside `path`: write a file or fill a directory there, and on success
+    it replaces `path` in one rename, so a reader never sees a half-written result."""
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        if tmp.is_file() and path.is_dir():  # else os.replace names the temporary file, not `path`
+            raise IsADirectoryError(errno.EISDIR, "a directory is in the way of the file to write", str(path))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            _remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary directory beside `target`, to fill: on success its files are fsynced and it
+    replaces `target` (which may exist) with a complete copy on disk at every instant; on failure it
+    is removed and `target` is untouched. Stale temporaries of killed writers are swept first."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target.parent, target.name)
+    tmp = temporary_name(target)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def old_copy(target: Path) -> Path:
+    """Where `atomic_directory` keeps the previous `target` between its two renames."""
+    return target.parent / f".{target.name}.old"
+
+
+def surviving(target: str | os.PathLike) -> Path | None:
+    """`target`, or, when it is gone, the previous copy that a write interrupted between its two renames
+    left at `.{name}.old`; None when neither is a directory."""
+    target = Path(target)
+    old = old_copy(target)
+    if not target.exists() and old.is_dir():
+        return old
+    return target if target.is_dir() else None
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, name: str | None = None) -> None:
+    """Delete the temporaries in `folder` that writers killed mid-way left: those whose process is gone,
+    and those of `name` from before pids were in the name."""
+    for path in Path(folder).glob(f".*{_TMP_INFIX}*"):
+        owner = path.name.rpartition(_TMP_INFIX)[2].partition("-")[0]
+        if owner.isdigit():
+            if int(owner) != os.getpid() and _process_alive(int(owner)):
+                continue
+        elif name is None or not path.name.startswith(f".{name}{_TMP_INFIX}"):
+            continue
+        _remove(path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or a number no pid reaches
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`, keeping a complete copy on disk at every instant."""
+    old = old_copy(target)
+    if target.exists():
+        # A leftover `old` next to an existing target is a finished swap's debris; the target is whole.
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
