@@ -41,16 +41,12 @@ from .models import (
     TransformerConfig,
 )
 from .models.attention_maps import attention_maps, plot_attention_maps
-from .nn.attention import (
-    MultiHeadAttention,
-    attention,
-    causal_mask,
-    scaled_dot_product_attention,
-)
+from .nn.attention import MultiHeadAttention, attention, scaled_dot_product_attention
 from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
 from .nn.feedforward import FeedForward
 from .nn.flash import flash_attention
 from .nn.kv_cache import KVCache
+from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding

@@ -511,7 +511,7 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
         tokenizer = chars.tokenizer()
         _save_tokenizer(tokenizer, directory / "tokenizer")
     elif isinstance(tokenizer, str):
-        assert vocab_size is not None  # checked by load_lm_data: given for a bpe tokenizer
+        assert vocab_size is not None  # checked by prepare_lm_data: given for a bpe tokenizer
         train_chars = int(sum(lengths[:plan.index])) + (plan.cut or 0)
         with _progress_bar([source], "training the tokenizer on", progress) as bar:
             train = itertools.takewhile(lambda item: item[0] == "train", routed(bar))

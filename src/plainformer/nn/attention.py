@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from .. import _checks
 from .linear import Linear
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
-from .masks import causal_mask as causal_mask  # re-exported: it was defined here
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
