@@ -471,12 +471,13 @@ def test_an_argparse_mistake_is_one_error_line_too(capsys):
 
 def _float_flags() -> list[tuple[str, str]]:
     """(flag, a preset whose configs have it) for every float field that `train` takes as a flag."""
-    from plainformer.cli.train import MODEL_CONFIGS, recipe_keys
+    from plainformer import families
+    from plainformer.cli.train import recipe_keys
     from plainformer.training.config import TrainConfig
 
     presets = {"gpt": "default", "bert-mlm": "bert-pretrain", "transformer": "seq2seq-copy"}
     flags = {}
-    for family, config_cls in [*MODEL_CONFIGS.items(), ("gpt", TrainConfig)]:
+    for family, config_cls in [*((f.name, f.config) for f in families.trained()), ("gpt", TrainConfig)]:
         for field in dataclasses.fields(config_cls):
             if field.name in recipe_keys() and "float" in str(field.type) and field.name not in flags:
                 flags[field.name] = presets.get(family, "default")
@@ -615,16 +616,6 @@ def test_a_corrupt_search_cache_is_computed_again(case, capsys, tmp_path, hf_ber
     assert not (tmp_path / "cache" / "PWNED").exists()
     assert np.load(cache, allow_pickle=False).dtype == np.float32  # written again, whole
     assert search()["cached"]
-
-
-# ----------------------------------------------------------------------------- command groups
-
-@pytest.mark.parametrize("group, own, top_level", [("bert", "pretrain", "embed"), ("seq2seq", "eval", "translate")])
-def test_a_command_group_without_a_command_prints_its_own_help(group, own, top_level, capsys):
-    code = main([group])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == "" and err.startswith(f"usage: plainformer {group} ")
-    assert own in err and top_level not in err  # its own commands, not the top level's
 
 
 # ----------------------------------------------------------------------------- numbers at the API

@@ -1,8 +1,8 @@
 """The package's layering, read from the source: every import, module-level or inside a function.
 
-nn/ imports nothing above it; models/ and data/ never import training/ or cli/; training/ never
-imports cli/; the recipe registry (recipes.py) sits above models/, data/ and training/, which never
-import it, and below cli/. The flat modules `_checks` and `config` sit below everything.
+The layers form one total order, bottom to top (`LAYERS`): a module imports only from its own layer or
+from below, with no exception, and no two modules import each other, directly or round a longer cycle.
+A folder is a layer; the flat base modules share the bottom one; the package itself is the top.
 """
 
 from __future__ import annotations
@@ -13,17 +13,23 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "plainformer"
-BASE = {"plainformer._checks", "plainformer.config"}
-FORBIDDEN = {
-    "nn": ("plainformer.models", "plainformer.data", "plainformer.generation", "plainformer.training",
-           "plainformer.io", "plainformer.cli", "plainformer.recipes"),
-    "models": ("plainformer.training", "plainformer.cli", "plainformer.recipes"),
-    "data": ("plainformer.training", "plainformer.cli", "plainformer.recipes"),
-    "generation": ("plainformer.cli", "plainformer.recipes"),
-    "io": ("plainformer.cli", "plainformer.recipes"),
-    "training": ("plainformer.cli", "plainformer.recipes"),
-    "recipes": ("plainformer.cli",),
-}
+LAYERS = [
+    ("_checks", "config", "constants", "errors", "_version"),  # what every layer may use
+    ("files",),  # atomic writes, the run lock, the JSON reader
+    ("nn",),
+    ("data",),
+    ("generation",),
+    ("checkpoint",),  # the format, below the models that load from it
+    ("models",),
+    ("hf",),  # Hugging Face adapters, above the models
+    ("training",),
+    ("families",),
+    ("recipes",),
+    ("cli",),
+    ("__init__", "__main__"),  # `import plainformer as pf`
+]
+RANK = {layer: rank for rank, names in enumerate(LAYERS) for layer in names}
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def _module_name(path: Path) -> str:
@@ -49,32 +55,87 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-def _layer(path: Path) -> str | None:
+def _layer(path: Path) -> str:
     """The folder a module sits in; for a flat module, its own name (`recipes`)."""
     parts = path.relative_to(PACKAGE).parts
     return parts[0] if len(parts) > 1 else path.stem
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def _layer_of_name(name: str) -> str:
+    """The layer of an imported name: `plainformer.nn.flash.flash_attention` -> nn, `plainformer` -> the top."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANK else "__init__"
+
+
+_NAMES = {_module_name(path) for path in MODULES}
+
+
+def _module_of_name(name: str) -> str:
+    """The module an imported name belongs to: the longest prefix of it that is a module of the package."""
+    while name not in _NAMES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_sits_in_a_layer_of_the_order(path: Path) -> None:
+    assert _layer(path) in RANK, f"{path.relative_to(PACKAGE)}: add its layer to LAYERS"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_module_imports_only_from_its_own_layer_or_below(path: Path) -> None:
-    forbidden = FORBIDDEN.get(_layer(path), ())
-    offending = sorted(m for m in imported_modules(path)
-                       if any(m == f or m.startswith(f + ".") for f in forbidden))
-    assert not offending, f"{path.relative_to(PACKAGE)} imports {offending}"
+    own = RANK[_layer(path)]
+    upward = sorted(m for m in imported_modules(path) if RANK[_layer_of_name(m)] > own)
+    assert not upward, f"{path.relative_to(PACKAGE)} ({_layer(path)}) imports {upward} from above it"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in MODULES:
+        module = _module_name(path)
+        graph[module] = {_module_of_name(name) for name in imported_modules(path)} - {module}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the path being explored, "done" once all of it is seen
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[module] = "done"
+        path.pop()
+        return None
+
+    return next((found for module in sorted(graph) if module not in state and (found := visit(module))), None)
+
+
+def test_no_modules_import_each_other_round_a_cycle() -> None:
+    cycle = _cycle(_import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_cycle_and_passes_a_tree() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_nn_depends_only_on_itself_and_the_base_modules() -> None:
+    base = {f"plainformer.{name}" for name in LAYERS[0]}
     for path in (PACKAGE / "nn").rglob("*.py"):
         for module in imported_modules(path):
-            assert module.startswith("plainformer.nn.") or module.rpartition(".")[0] in BASE \
-                or module in BASE, f"{path.name} imports {module}"
+            assert module.startswith("plainformer.nn.") or module.rpartition(".")[0] in base \
+                or module in base, f"{path.name} imports {module}"
 
 
 def test_the_import_reader_sees_relative_and_nested_imports() -> None:
     probe = PACKAGE / "nn" / "attention.py"
     assert "plainformer._checks" in imported_modules(probe)
     assert "plainformer.nn.flash.flash_attention" in imported_modules(probe)  # imported inside a function
-
-
-def test_the_recipe_registry_is_checked_as_a_layer() -> None:
-    assert _layer(PACKAGE / "recipes.py") == "recipes" and "recipes" in FORBIDDEN

@@ -7,18 +7,18 @@ import dataclasses
 import pytest
 
 import plainformer as pf
-from plainformer import recipes
-from plainformer.models.bert import BertConfig
-
-CONFIGS = {"gpt": pf.GPTConfig, "bert-mlm": BertConfig, "bert-cls": type(None),
-           "transformer": pf.TransformerConfig}
+from plainformer import families, recipes
 
 
 @pytest.mark.parametrize("name", recipes.names())
 def test_every_recipe_has_its_familys_model_config_and_a_valid_training_recipe(name):
     recipe = recipes.get(name)
-    assert recipe.name == name and recipe.family in recipes.FAMILIES
-    assert type(recipe.model) is CONFIGS[recipe.family]
+    family = families.get(recipe.family)
+    assert recipe.name == name and family.train is not None
+    if recipe.model is None:  # fine-tuning: the model comes from the `init` option
+        assert family.finetune_fields and "init" in recipe.options
+    else:
+        assert type(recipe.model) is family.config
     assert isinstance(recipe.train, pf.TrainConfig) and recipe.summary
     pf.TrainConfig.from_dict(recipe.train.to_dict())  # validates again
 

@@ -3,8 +3,7 @@
     import plainformer as pf
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from ._version import __version__ as __version__
 from .checkpoint.format import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config
 from .data.corpus import TextSplit, Work, load_split, load_text, split_text
@@ -55,11 +54,6 @@ from .training.config import TrainConfig
 from .training.optim import lr_at, make_optimizer
 from .training.plots import plot_loss_curve
 from .training.trainer import Trainer, TrainingInterrupted
-
-try:
-    __version__ = version("plainformer")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0"
 
 __all__ = [
     "BPETokenizer",

@@ -15,15 +15,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from . import families
 from .config import Config
 from .data.classification import DEFAULT_PLAYS
 from .models.bert import BertConfig
 from .models.gpt import GPTConfig
 from .models.transformer import TransformerConfig
 from .training.config import TrainConfig
-
-#: Families, named as checkpoints name them (`config.json`'s "family").
-FAMILIES = ("gpt", "bert-mlm", "bert-cls", "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +37,10 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """name -> (family, model config, TrainConfig, data options). `model` is None when the model comes
-    from the `init` option (fine-tuning a pretrained one). A recipe with `shapes` (fastest machines first,
-    the last one for any) trains the first shape the machine's measured matmul rate reaches (`shaped_for`),
-    unless one of the fields the shapes set is given (`shape_fields`)."""
+    """name -> (family, as `families` registers it; model config, TrainConfig, data options). `model` is
+    None when the model comes from the `init` option (fine-tuning a pretrained one). A recipe with
+    `shapes` (fastest machines first, the last one for any) trains the first shape the machine's measured
+    matmul rate reaches (`shaped_for`), unless one of the fields the shapes set is given (`shape_fields`)."""
 
     name: str
     family: str
@@ -53,6 +51,10 @@ class Recipe:
     shapes: tuple[Shape, ...] = ()
 
     def __post_init__(self) -> None:
+        family = families.get(self.family)
+        if family.train is None or not isinstance(self.model, (family.config, type(None))):
+            raise ValueError(f"recipe {self.name!r}: family {self.family!r} trains a {family.config.__name__}, "
+                             f"got {type(self.model).__name__}")
         rates = [shape.min_gflops for shape in self.shapes]
         if rates and (rates != sorted(rates, reverse=True) or rates[-1] != 0):
             raise ValueError(f"recipe {self.name!r}: shapes go from the fastest machines' to one for any "

@@ -17,6 +17,7 @@ from torch import nn
 from plainformer.checkpoint import format as checkpoint
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint, save_checkpoint
 from plainformer.data.tokenizers import CharTokenizer
+from plainformer.files import atomic
 from plainformer.files.atomic import DiskFullError
 
 
@@ -272,7 +273,7 @@ def test_crash_after_writing_the_temp_dir_leaves_the_old_checkpoint_intact(tmp_p
     def crash(*args):
         raise RuntimeError("power cut")
 
-    monkeypatch.setattr(checkpoint, "_fsync_tree", crash)
+    monkeypatch.setattr(atomic, "_fsync_tree", crash)
     with pytest.raises(RuntimeError, match="power cut"):
         save(tmp_path / "last", new)
     assert torch.equal(_weights(tmp_path / "last"), old.proj.weight)
@@ -290,7 +291,7 @@ def test_crash_between_the_renames_is_recovered_from_the_renamed_away_copy(tmp_p
             raise RuntimeError("power cut")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", rename_then_crash)
+    monkeypatch.setattr(atomic.os, "rename", rename_then_crash)
     with pytest.raises(RuntimeError, match="power cut"):
         save(tmp_path / "last", new)
     monkeypatch.undo()
@@ -305,7 +306,7 @@ def test_crash_between_the_renames_is_recovered_from_the_renamed_away_copy(tmp_p
 
 def test_crash_before_deleting_the_old_copy_keeps_the_new_checkpoint(tmp_path, monkeypatch):
     old, new = saved_old_and_new(tmp_path)
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *a, **k: None)  # the deletion never happens
+    monkeypatch.setattr(atomic.shutil, "rmtree", lambda *a, **k: None)  # the deletion never happens
     save(tmp_path / "last", new)
     monkeypatch.undo()
     assert (tmp_path / ".last.old").is_dir()

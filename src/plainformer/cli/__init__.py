@@ -22,19 +22,17 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import __version__
-from ..checkpoint.format import find_checkpoint
+from .._version import __version__
 from ..config import Config
 from ..errors import UserError
-from ..training.distributed import is_main_process, run_torchrun
+from ..training.distributed import is_main_process, log, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "evaluate", "gpt", "seq2seq", "bert", "hf", "prepare")
+COMMAND_MODULES = ("train", "evaluate", "sample", "translate", "embed", "hf", "prepare")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
@@ -126,12 +124,6 @@ def stdin_lines() -> list[str]:
     return utf8_text(sys.stdin.buffer.read(), "standard input").splitlines()
 
 
-def log(message: str) -> None:
-    """A line on stderr, from rank 0 only under torchrun."""
-    if is_main_process():
-        print(message, file=sys.stderr, flush=True)
-
-
 def _option_type(annotation: Any) -> type:
     """The scalar type behind `int`, `float | None`, `str`, ..."""
     arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -169,33 +161,6 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     return added
 
 
-def checkpoint_dir(path: Path) -> Path:
-    """A checkpoint directory, or a run directory holding best/ (preferred) or last/; of each, the
-    copy an interrupted save left when only that is there (as `load_checkpoint` finds it)."""
-    for candidate in (path / "best", path / "last"):
-        found = find_checkpoint(candidate)
-        if found is not None:
-            if found != candidate:
-                log(f"plainformer: {candidate} is missing; loading {found}, left by a save that was interrupted")
-            return found
-    return path
-
-
-def run_and_checkpoint(path: Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) from a run directory (its best/, else last/) or a
-    checkpoint directory inside one."""
-    checkpoint = checkpoint_dir(path)
-    return (path if checkpoint != path else path.parent), checkpoint
-
-
-def add_group(subcommands: argparse._SubParsersAction, name: str, **kwargs: Any
-              ) -> argparse._SubParsersAction:
-    """A command group (`plainformer bert ...`): with no subcommand it prints its own help."""
-    group = subcommands.add_parser(name, **kwargs)
-    group.set_defaults(help_of=group)
-    return group.add_subparsers(dest=f"{name}_command", metavar="COMMAND")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="plainformer",
@@ -216,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"plainformer: error: {error}")
         return 2
     if not getattr(args, "run", None):
-        getattr(args, "help_of", parser).print_help(sys.stderr)
+        parser.print_help(sys.stderr)
         return 2
     if getattr(args, "nproc", None) is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return run_torchrun(args.nproc, _without_nproc(argv))

@@ -4,12 +4,13 @@ config.json names; the data options default to those of the run's recipe.yaml.""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import families
 from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
+from ..families.family import run_and_checkpoint
 from ..hf.gpt import is_hf_directory
 from . import (
     DTYPE_HELP,
@@ -18,18 +19,18 @@ from . import (
     add_threads_argument,
     non_negative_float,
     positive_int,
-    run_and_checkpoint,
     set_threads,
 )
 from .train import read_run_recipe
 
-Evaluator = Callable[[argparse.Namespace, Path, Path, dict[str, Any]], dict[str, Any]]
 
-# Flag -> the families it applies to (a flag given for another family is an error).
-FAMILY_FLAGS: Mapping[str, tuple[str, ...]] = {
-    "data": ("gpt", "bert-mlm"), "dtype": ("gpt",), "beam": ("transformer",),
-    "length_penalty": ("transformer",), "task": ("transformer",), "split": ("transformer",),
-}
+def flag_families(name: str) -> tuple[str, ...]:
+    """The families whose `eval_options` name the flag `name` (given for another family: an error)."""
+    return tuple(f.name for f in families.FAMILIES.values() if name in f.eval_options)
+
+
+# The flags of some families only (each family's `eval_options` says which apply to it).
+EVAL_FLAGS = ("data", "dtype", "beam", "length_penalty", "task", "split")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,11 +39,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, help="rows per batch (default: 16 for a GPT, 100 "
                                                        "sentences for an encoder-decoder, the run's for BERT)")
     add_threads_argument(parser)
-    gpt = parser.add_argument_group("language models [gpt, bert-mlm]")
+    gpt = parser.add_argument_group(f"language models [{', '.join(flag_families('data'))}]")
     gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
                                    "bundled corpus)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
-    seq2seq = parser.add_argument_group("encoder-decoder [transformer]")
+    seq2seq = parser.add_argument_group(f"encoder-decoder [{', '.join(flag_families('beam'))}]")
     seq2seq.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy (default: 1)")
     seq2seq.add_argument("--length-penalty", type=non_negative_float, default=None, help="α (default: 0.6)")
     seq2seq.add_argument("--task", choices=list(TASKS), help="default: the run's recipe.yaml")
@@ -59,13 +60,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                     "validation set. Ends with one JSON line of metrics."))
 
 
-def _evaluators() -> Mapping[str, Evaluator]:
-    from . import bert, gpt, seq2seq
-
-    return {"gpt": gpt.evaluate, "transformer": seq2seq.evaluate, "bert-mlm": bert.evaluate_mlm,
-            "bert-cls": bert.evaluate_classifier}
-
-
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     if is_hf_directory(args.ckpt):  # a Hugging Face language model: evaluated as a GPT, no run recipe
@@ -73,13 +67,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     else:
         run_dir, checkpoint = run_and_checkpoint(args.ckpt)
         family = load_checkpoint(checkpoint, verify=False).family
-    evaluators = _evaluators()
-    if family not in evaluators:
-        raise UserError(f"{checkpoint} holds a {family!r} model; eval knows {', '.join(evaluators)}")
-    for name, families in FAMILY_FLAGS.items():
-        if getattr(args, name) is not None and family not in families:
-            raise UserError(f"--{name.replace('_', '-')} applies to {', '.join(families)} checkpoints, "
+    evaluated = {f.name: f.evaluate for f in families.FAMILIES.values() if f.evaluate is not None}
+    if family not in evaluated:
+        raise UserError(f"{checkpoint} holds a {family!r} model; eval knows {', '.join(evaluated)}")
+    for name in EVAL_FLAGS:
+        if getattr(args, name) is not None and name not in families.get(family).eval_options:
+            raise UserError(f"--{name.replace('_', '-')} applies to {', '.join(flag_families(name))} checkpoints, "
                             f"not to this {family} one")
     if args.length_penalty is None:
         args.length_penalty = 0.6
-    return evaluators[family](args, run_dir, checkpoint, read_run_recipe(run_dir))
+    return evaluated[family](args, run_dir, checkpoint, read_run_recipe(run_dir))

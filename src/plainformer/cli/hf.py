@@ -16,24 +16,15 @@ from typing import Any
 
 import torch
 
+from .. import families
 from ..checkpoint.format import load_checkpoint
-from ..config import Config
 from ..data.tokenizers import Tokenizer
-from ..hf.gpt import is_hf_directory, load_hf, read_hf_config, save_hf
+from ..families.family import Family, checkpoint_dir
+from ..hf.gpt import is_hf_directory, load_hf, read_hf_config
 from ..models.attention_maps import attention_maps, plot_attention_maps
-from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
-from ..models.gpt import GPT, GPTConfig
-from ..models.transformer import Transformer, TransformerConfig
-from . import UserError, checkpoint_dir
+from ..models.saved import SavedModel
+from . import UserError
 
-Model = GPT | BertModel | BertForMaskedLM | BertForSequenceClassification | Transformer
-FAMILIES: dict[str, tuple[type[Model], type[Config]]] = {
-    "gpt": (GPT, GPTConfig),
-    "bert": (BertModel, BertConfig),
-    "bert-mlm": (BertForMaskedLM, BertConfig),
-    "bert-cls": (BertForSequenceClassification, BertConfig),
-    "transformer": (Transformer, TransformerConfig),
-}
 CKPT_HELP = "checkpoint directory, run directory (its best/, else last/) or Hugging Face directory"
 
 
@@ -42,18 +33,20 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_attention(subcommands)
 
 
-def load_any(path: Path) -> Model:
-    """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run."""
+def load_any(path: Path) -> tuple[SavedModel, Family]:
+    """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run,
+    and its family."""
     if not path.exists():
         raise UserError(f"--ckpt {path} does not exist")
     if is_hf_directory(path):
-        return load_hf(path)
+        model: SavedModel = load_hf(path)
+        return model, families.get(model.family)
     directory = checkpoint_dir(path)
-    family = load_checkpoint(directory).family
-    if family not in FAMILIES:
-        raise UserError(f"{directory} holds a {family!r} model, which this command does not handle")
-    model_cls, config_cls = FAMILIES[family]
-    return model_cls.from_checkpoint(directory)
+    name = load_checkpoint(directory).family
+    if name not in families.FAMILIES:
+        raise UserError(f"{directory} holds a {name!r} model, which this command does not handle")
+    family = families.get(name)
+    return family.model.from_checkpoint(directory), family
 
 
 # ----------------------------------------------------------------------------- export
@@ -70,13 +63,11 @@ def _register_export(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> dict[str, Any]:
-    model = load_any(args.ckpt)
+    model, family = load_any(args.ckpt)
     tokenizer = model.tokenizer
-    if isinstance(model, (BertForMaskedLM, BertForSequenceClassification)):
-        model = model.bert  # why: the encoder is what Hugging Face's BertModel holds
-    if not isinstance(model, (GPT, BertModel)):
+    if family.export is None:
         raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")
-    save_hf(model, args.out, tokenizer=tokenizer)
+    family.export(model, args.out, tokenizer)
     hf = read_hf_config(args.out)
     return {"out": str(args.out), "model_type": hf["model_type"], "architecture": hf["architectures"][0],
             "tokenizer": None if tokenizer is None else tokenizer.kind}
@@ -101,23 +92,24 @@ def _register_attention(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
-    model = load_any(args.ckpt)
+    model, family = load_any(args.ckpt)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise UserError(f"{args.ckpt} holds no tokenizer, so the text cannot be encoded")
-    if isinstance(model, Transformer):
+    config: Any = model.config
+    if family.cross_attention:
         if args.source is None or args.target is None or args.text is not None:
             raise UserError("an encoder-decoder plots cross-attention: give --source and --target, not --text")
-        source, target = tokenizer.encode(args.source), [model.config.bos_id, *tokenizer.encode(args.target)]
-        _check_length("--source", source, model.config.max_len)
-        _check_length("--target", target, model.config.max_len)
+        source, target = tokenizer.encode(args.source), [config.bos_id, *tokenizer.encode(args.target)]
+        _check_length("--source", source, getattr(config, family.positions))
+        _check_length("--target", target, getattr(config, family.positions))
         weights = attention_maps(model, torch.tensor(source), torch.tensor(target))
         queries, keys = _token_texts(tokenizer, target), _token_texts(tokenizer, source)
     else:
         if args.text is None or args.source is not None or args.target is not None:
             raise UserError(f"a {type(model).__name__} plots self-attention: give --text, not --source/--target")
         ids = tokenizer.encode(args.text)
-        _check_length("--text", ids, model.config.block_size if isinstance(model, GPT) else model.config.max_len)
+        _check_length("--text", ids, getattr(config, family.positions))
         weights = attention_maps(model, torch.tensor(ids))
         queries = keys = _token_texts(tokenizer, ids)
     layers = _selection("--layer", args.layer, weights.shape[0], "layers")

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..data.corpus import VAL_FRACTION
 from ..data.lm import prepare_lm_data
-from . import fraction, log, positive_int
+from ..training.distributed import log
+from . import fraction, positive_int
 
 TOKENIZERS = ("char", "bpe")
 

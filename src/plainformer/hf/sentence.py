@@ -12,7 +12,6 @@ batches and returns the embeddings in the caller's order.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,18 +23,20 @@ from torch import Tensor, nn
 from .. import _checks
 from ..checkpoint.format import load_checkpoint
 from ..data.tokenizers import WordPieceTokenizer
-from ..hf.bert import (
+from ..files.json_file import read_json_object
+from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .bert import (
     HF_CONFIG,
     load_hf_bert,
     load_hf_bert_tokenizer,
     resolve_bert_path,
 )
-from .bert import BertConfig, BertModel
 
 # sentence-transformers' files next to a Hugging Face model: its maximum length and its pooling.
 ST_CONFIG = "sentence_bert_config.json"
 ST_POOLING = Path("1_Pooling") / "config.json"
-BERT_FAMILIES = ("bert", "bert-mlm", "bert-cls")
+# The families whose checkpoints hold a BERT encoder, and the prefix of its weights there.
+ENCODER_PREFIX = {BertModel.family: "", BertForMaskedLM.family: "bert.", BertForSequenceClassification.family: "bert."}
 
 
 def mean_pool(hidden: Tensor, mask: Tensor) -> Tensor:
@@ -60,11 +61,11 @@ def load_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto"
 
 def _load_checkpoint_bert(directory: Path, backend: str) -> tuple[BertModel, WordPieceTokenizer]:
     checkpoint = load_checkpoint(directory)
-    if checkpoint.family not in BERT_FAMILIES:
+    if checkpoint.family not in ENCODER_PREFIX:
         raise ValueError(f"{directory} holds a {checkpoint.family!r} model; expected one of "
-                         f"{', '.join(BERT_FAMILIES)}")
+                         f"{', '.join(ENCODER_PREFIX)}")
     config = checkpoint.config(BertConfig).replace(backend=backend)
-    model = checkpoint.restore_model(BertModel(config), prefix="" if checkpoint.family == "bert" else "bert.")
+    model = checkpoint.restore_model(BertModel(config), prefix=ENCODER_PREFIX[checkpoint.family])
     tokenizer = checkpoint.load_tokenizer()
     if not isinstance(tokenizer, WordPieceTokenizer):
         raise ValueError(f"{directory} holds a {tokenizer.kind} tokenizer; a BERT needs a WordPiece one")
@@ -75,11 +76,11 @@ def _sentence_transformers_max_len(directory: Path) -> int | None:
     """max_seq_length from sentence_bert_config.json; checks the pooling is the mean, as here."""
     pooling = directory / ST_POOLING
     if pooling.is_file():
-        modes = {k: v for k, v in json.loads(pooling.read_text()).items() if k.startswith("pooling_mode")}
+        modes = {k: v for k, v in read_json_object(pooling).items() if k.startswith("pooling_mode")}
         if any(v for k, v in modes.items() if k != "pooling_mode_mean_tokens"):
             raise ValueError(f"{pooling} asks for pooling {modes}; SentenceEncoder pools by the mean only")
     config = directory / ST_CONFIG
-    return json.loads(config.read_text()).get("max_seq_length") if config.is_file() else None
+    return read_json_object(config).get("max_seq_length") if config.is_file() else None
 
 
 class SentenceEncoder(nn.Module):

@@ -81,6 +81,12 @@ def is_main_process() -> bool:
     return current_launch().is_main
 
 
+def log(message: str) -> None:
+    """A line on stderr, from rank 0 only under torchrun."""
+    if is_main_process():
+        print(message, file=sys.stderr, flush=True)
+
+
 def current_launch() -> Launch:
     """The initialised process group's rank and size, else the environment's."""
     if dist.is_available() and dist.is_initialized():

@@ -28,14 +28,9 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..checkpoint.format import (
-    Checkpoint,
-    CheckpointError,
-    capture_rng_state,
-    load_checkpoint,
-    save_checkpoint,
-)
+from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
+from ..files.atomic import atomic_path
 from ..files.run_lock import run_lock
 from ..nn.attention import check_trainable
 from ..nn.dtypes import at_least_float32
@@ -44,8 +39,10 @@ from .config import TrainConfig
 from .distributed import Distributed, process_group
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
+from .planner import StepPlanner
 from .plots import plot_loss_curve
 from .precision import model_width, resolve_dtype, slow_bf16_warning
+from .state import TrainerState
 from .tensorboard import tensorboard_log
 
 
@@ -59,58 +56,6 @@ class TrainingInterrupted(Exception):
         self.checkpoint = checkpoint
 
 
-class _InterruptRequest:
-    """While active, the first SIGINT only sets `requested`; a second one raises KeyboardInterrupt.
-    Nothing is printed from the handler: writing to stderr there can re-enter tqdm's write."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> _InterruptRequest:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            previous = self._previous if self._previous is not None else signal.default_int_handler
-            signal.signal(signal.SIGINT, previous)
-
-
-# fit_to_time times at least this many steps after a session's first before it plans.
-_STEPS_TO_TIME = 10
-
-
-class _Stopwatch:
-    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
-    across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
-    so the device is not drained after every step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.total = 0.0
-        self._since: float | None = None
-
-    def start(self) -> None:
-        if self._since is None:
-            self._since = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._since is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.total += time.perf_counter() - self._since
-            self._since = None
-
-
 class Trainer:
     """Train `model` on batches from `source`, writing metrics.jsonl, loss.png, last/ and best/ to
     `out_dir`. `family` and `model_config` default to `model.family` and `model.config`.
@@ -118,7 +63,9 @@ class Trainer:
     The model's initial weights are the caller's (seed before building it); `fit` seeds the torch,
     Python and numpy RNGs with `config.seed` (+ rank) for everything after (dropout, ...). With
     `resume=True` model, optimizer, schedule, step, data position and RNG states come from
-    `out_dir/last`, which may have been written at another world size.
+    `out_dir/last`, which may have been written at another world size; `resume` may also be that
+    checkpoint, already loaded (and verified) by the caller, which is then not read again. Either
+    way it must hold the family and model config of the model being trained.
 
     Launched by torchrun, the trainer joins the process group (unless the caller already did, with
     `distributed.process_group()`) and leaves it when `fit` returns or raises.
@@ -126,7 +73,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, source: Any, config: TrainConfig, out_dir: str | os.PathLike,
                  *, family: str | None = None, model_config: Config | Mapping[str, Any] | None = None,
-                 tokenizer: Any = None, resume: bool = False, progress: bool = True):
+                 tokenizer: Any = None, resume: bool | Checkpoint = False, progress: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(getattr(source, "get_batch", None)):
@@ -134,6 +81,8 @@ class Trainer:
                             f"got {type(source).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        if not isinstance(resume, (bool, Checkpoint)):
+            raise TypeError(f"resume must be a bool or a loaded Checkpoint, got {type(resume).__name__}")
         check_trainable(model)
         self.model, self.source, self.config = model, source, config
         self.out_dir = Path(out_dir)
@@ -159,7 +108,7 @@ class Trainer:
             self._group.close()
             raise
 
-    def _setup(self, model: nn.Module, config: TrainConfig, resume: bool) -> None:
+    def _setup(self, model: nn.Module, config: TrainConfig, resume: bool | Checkpoint) -> None:
         self._wrapped = self.dist.wrap(model)
         self.device = next(model.parameters()).device
         # Losses are summed in float32, or in float64 for a float64 model (see nn/dtypes.py).
@@ -172,24 +121,15 @@ class Trainer:
         self.optimizer = cast(torch.optim.Optimizer, make_optimizer(model, config))
         self._forward = torch.compile(self._wrapped) if config.compile else self._wrapped
         self.moe_stats = MoEStats(model)
-        self.step = 0
-        self.data_position = 0
-        self.best_val_loss: float | None = None
-        self.train_loss: float | None = None
-        self.val_loss: float | None = None
-        self._elapsed_before = 0.0
         self._session_start = time.perf_counter()
         self._val_batches: list[dict[str, Tensor]] | None = None
-        self._evaluated_step: int | None = None  # the step of the latest evaluation
         self._last_is_current = False  # last/ holds this step and everything logged so far
-        self._unlogged: dict[str, Any] = {"loss_sum": 0.0, "steps": 0}  # the log window a resumed run continues
-        self._planned_steps: int | None = None  # max_steps as fit_to_time planned it
-        self._step_cap = self.config.max_steps  # what fit_to_time may plan at most
-        self._replan_step: int | None = None  # where fit_to_time plans again, timing warm steps only
-        # fit_to_time's clock: (step, elapsed, evaluation seconds) after this session's first step, then at the plan
-        self._timing_from: tuple[int, float, float] | None = None
-        self._eval_seconds, self._per_eval = 0.0, 0.0  # this session's evaluations (and saves of best/)
-        self._resume_rng_from = self._restore(self.out_dir / "last") if resume else None
+        self._eval_seconds = 0.0  # this session's evaluations (and saves of best/)
+        self.planner = StepPlanner.from_config(config, lambda: (self._elapsed(), self._eval_seconds))
+        self._set_state(TrainerState.fresh())
+        if resume is True:
+            resume = load_checkpoint(self.out_dir / "last")
+        self._resume_rng_from = self._restore(resume) if isinstance(resume, Checkpoint) else None
 
     @property
     def metrics_path(self) -> Path:
@@ -197,36 +137,41 @@ class Trainer:
 
     # ------------------------------------------------------------------------- resume
 
-    def _restore(self, path: Path) -> Checkpoint:
-        ckpt = load_checkpoint(path)
+    def _restore(self, ckpt: Checkpoint) -> Checkpoint:
+        """Continue from `ckpt`, once it is checked to be a checkpoint of this model with a trainer state."""
         if ckpt.family != self.family or ckpt.model_config != self.model_config:
-            raise CheckpointError(f"{path} holds a {ckpt.family!r} model with config {ckpt.model_config}, "
+            raise CheckpointError(f"{ckpt.path} holds a {ckpt.family!r} model with config {ckpt.model_config}, "
                                   f"not the {self.family!r} model with config {self.model_config} "
                                   "being trained; resume with the same model")
         if ckpt.trainer_state is None or not ckpt.has_optimizer_state:
-            raise CheckpointError(f"{path} has no trainer or optimizer state to resume from")
-        state = ckpt.trainer_state
-        try:
-            step, data_position = state["step"], state["data_position"]
-            best_val_loss, train_loss = state["best_val_loss"], state["train_loss"]
-            val_loss, elapsed_before = state["val_loss"], state["elapsed_s"]
-        except KeyError as e:
-            raise CheckpointError(f"{path / 'trainer_state.json'} lacks {e}") from None
-        _check_trainer_state(path, state)
+            raise CheckpointError(f"{ckpt.path} has no trainer or optimizer state to resume from")
+        state = TrainerState.from_checkpoint(ckpt)
         try:
             self.dist.load_model_state_dict(ckpt.model_state_dict(self.model))
         except RuntimeError as e:
-            raise CheckpointError(f"{path} does not fit {type(self.model).__name__}: {e}") from None
+            raise CheckpointError(f"{ckpt.path} does not fit {type(self.model).__name__}: {e}") from None
         self.dist.load_optimizer_state_dict(self.optimizer, ckpt.optimizer_state_dict(self.optimizer))
-        self.step, self.data_position = step, data_position
-        self.best_val_loss, self.train_loss, self.val_loss = best_val_loss, train_loss, val_loss
-        self._elapsed_before = elapsed_before
-        self._evaluated_step, self._last_is_current = state.get("evaluated_step"), True
-        self._unlogged = state.get("log_window", self._unlogged)
-        self._planned_steps = state.get("planned_steps")
-        if self._planned_steps is not None:
-            self.config = self.config.replace(max_steps=self._planned_steps)
+        self._set_state(state)
+        self._last_is_current = True
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
+
+    def _set_state(self, state: TrainerState) -> None:
+        """Stand where `state` says: at the start, or where a checkpoint left off (`_state` is its inverse)."""
+        self.step, self.data_position = state.step, state.data_position
+        self.best_val_loss, self.train_loss, self.val_loss = state.best_val_loss, state.train_loss, state.val_loss
+        self._elapsed_before = state.elapsed_s  # seconds of the sessions before this one
+        self._evaluated_step = state.evaluated_step
+        self._unlogged = state.log_window  # the log window a resumed run continues
+        self.planner.planned = state.planned_steps
+        if state.planned_steps is not None:
+            self.config = self.config.replace(max_steps=state.planned_steps)
+
+    def _state(self) -> TrainerState:
+        """Where the run stands, as last/ and best/ keep it."""
+        return TrainerState(step=self.step, data_position=self.data_position, best_val_loss=self.best_val_loss,
+                            train_loss=self.train_loss, val_loss=self.val_loss, elapsed_s=self._elapsed(),
+                            world_size=self.dist.world_size, evaluated_step=self._evaluated_step,
+                            log_window=self._window.state(), planned_steps=self.planner.planned)
 
     def _start_rng(self) -> None:
         """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
@@ -329,9 +274,7 @@ class Trainer:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
                 bar.update(1)
-                if self._timing_from is None:
-                    self._timing_from = (self.step, self._elapsed(), self._eval_seconds)
-                if self._plans_now():
+                if self.planner.step_taken(self.step):
                     watch.stop()
                     self._fit_steps_to_time(bar)
                 interrupted = self.dist.any(interrupt.requested)  # all ranks stop at the same step
@@ -357,52 +300,15 @@ class Trainer:
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
 
-    def _plans_now(self) -> bool:
-        """fit_to_time plans after warmup and enough steps of this session to time, then once more
-        halfway to the plan (not in a resumed session, which keeps the plan it resumed)."""
-        cfg = self.config
-        if not cfg.fit_to_time:
-            return False
-        if self._planned_steps is None:
-            assert self._timing_from is not None  # set after this session's first step
-            return self.step >= max(cfg.warmup_steps, self._timing_from[0] + _STEPS_TO_TIME)
-        return self.step == self._replan_step
-
     def _fit_steps_to_time(self, bar: tqdm) -> None:
-        """Set max_steps to the steps that end by max_time: with s seconds per step, e seconds per
-        evaluation every eval_interval steps, and the final evaluation and saves (about 2e) left out of
-        the time that remains, steps_left = (max_time - elapsed - 2e) / (s + e / eval_interval).
-
-        The first plan times the steps since this session's first (which pays for warm-up) and one
-        evaluation, run now; the second, halfway, times the steps since the first plan, evaluations
-        left out. Early steps run slower (memory first touched, kernels first built: 0.36 against
-        0.30 s per step for the default preset here), and machines drift, so the second plan is the
-        better one; it may also raise max_steps, up to the configured cap. Ranks agree on the mean."""
-        cfg = self.config
-        assert cfg.max_time is not None  # TrainConfig requires it with fit_to_time
-        assert self._timing_from is not None  # set after this session's first step
-        since_step, since_elapsed, since_evals = self._timing_from
-        per_step = (self._elapsed() - since_elapsed - (self._eval_seconds - since_evals)) / (self.step - since_step)
-        first = self._planned_steps is None
-        if first:
-            evals_before = self._eval_seconds
-            self._evaluate_and_keep_best()
-            self._per_eval = self._eval_seconds - evals_before
-        per_eval = self._per_eval
-        per_step_with_evals = per_step + (per_eval / cfg.eval_interval if cfg.eval_interval else 0.0)
-        steps_left = max(0.0, (cfg.max_time - self._elapsed() - 2 * per_eval) / per_step_with_evals)
-        planned = round(self.dist.mean(torch.tensor(self.step + steps_left, device=self.device)).item())
-        self._planned_steps = min(self._step_cap, max(self.step, planned))
-        self.config = cfg.replace(max_steps=self._planned_steps)
-        halfway = self.step + (self._planned_steps - self.step) // 2
-        self._replan_step = halfway if first and halfway >= self.step + _STEPS_TO_TIME else None
-        self._timing_from = (self.step, self._elapsed(), self._eval_seconds)
-        bar.total = self._planned_steps
+        """Set max_steps as fit_to_time's planner says (planner.py); the ranks agree on their mean."""
+        plan = self.planner.plan(self.step, evaluate=self._evaluate_and_keep_best,
+                                 agree=lambda steps: self.dist.mean(torch.tensor(steps, device=self.device)).item())
+        self.config = self.config.replace(max_steps=plan.max_steps)
+        bar.total = plan.max_steps
         bar.refresh()
         if self.dist.is_main:
-            print(f"max_steps: {self._planned_steps}{'' if first else ' (planned again)'}, to end by max_time "
-                  f"{cfg.max_time:g} s at {per_step:.3f} s per step and {per_eval:.2f} s per evaluation",
-                  file=sys.stderr, flush=True)
+            print(plan, file=sys.stderr, flush=True)
 
     def _pauses_after_step(self) -> bool:
         """Whether the loop logs, evaluates or saves after the step just taken."""
@@ -464,13 +370,55 @@ class Trainer:
         save_checkpoint(
             self.out_dir / name, model=model_state, family=self.family, model_config=self.model_config,
             train_config=self.config.to_dict(), tokenizer=self.tokenizer, optimizer=optimizer_state,
-            trainer_state={"step": self.step, "data_position": self.data_position,
-                           "best_val_loss": self.best_val_loss, "train_loss": self.train_loss,
-                           "val_loss": self.val_loss, "elapsed_s": self._elapsed(),
-                           "world_size": self.dist.world_size,
-                           "evaluated_step": self._evaluated_step, "log_window": self._window.state(),
-                           "planned_steps": self._planned_steps},
-            rng_states=rng_states)
+            trainer_state=self._state().to_dict(), rng_states=rng_states)
+
+
+class _InterruptRequest:
+    """While active, the first SIGINT only sets `requested`; a second one raises KeyboardInterrupt.
+    Nothing is printed from the handler: writing to stderr there can re-enter tqdm's write."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _InterruptRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._installed:
+            previous = self._previous if self._previous is not None else signal.default_int_handler
+            signal.signal(signal.SIGINT, previous)
+
+
+class _Stopwatch:
+    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
+    across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
+    so the device is not drained after every step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.total = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.total += time.perf_counter() - self._since
+            self._since = None
 
 
 class _LogWindow:
@@ -517,30 +465,6 @@ class _LogWindow:
         return mean_loss, tokens_per_s
 
 
-def _check_trainer_state(path: Path, state: Mapping[str, Any]) -> None:
-    """The fields a resume reads have the types `_save` writes."""
-    def count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    window = state.get("log_window", {"loss_sum": 0.0, "steps": 0})
-    valid = {
-        "step": count(state["step"]), "data_position": count(state["data_position"]),
-        "evaluated_step": state.get("evaluated_step") is None or count(state["evaluated_step"]),
-        "planned_steps": state.get("planned_steps") is None or count(state["planned_steps"]),
-        "elapsed_s": number(state["elapsed_s"]),
-        **{k: state[k] is None or number(state[k]) for k in ("best_val_loss", "train_loss", "val_loss")},
-        "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
-                      and number(window["loss_sum"]) and count(window["steps"]),
-    }
-    bad = [name for name, ok in valid.items() if not ok]
-    if bad:
-        raise CheckpointError(f"{path / 'trainer_state.json'}: {', '.join(bad)} malformed "
-                              "(expected counts >= 0 and numbers)")
-
-
 def _keep_metrics_until(path: Path, step: int) -> None:
     """Drop the lines of steps after `step` (a resumed run logs them again; a fresh run, step 0,
     starts an empty file), and lines that are not a record of a step (the half-written last line of
@@ -553,6 +477,5 @@ def _keep_metrics_until(path: Path, step: int) -> None:
                 logged = record.get("step") if isinstance(record, dict) else None
                 if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
                     kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(kept))

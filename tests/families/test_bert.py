@@ -1,6 +1,5 @@
 """The BERT command line end to end: embed, search (with its cache), `train --preset bert-pretrain` ->
-`finetune` -> `eval` on a tiny model, the older `bert pretrain | finetune` spellings, and the one-line
-errors."""
+`finetune` -> `eval` on a tiny model, and the one-line errors."""
 
 from __future__ import annotations
 
@@ -125,18 +124,6 @@ def test_pretrain_finetune_and_eval_agree_on_their_metrics(capsys, tmp_path, tex
     assert code == 0 and len(json.loads(lines[0])) == 16
 
 
-def test_the_older_spellings_run_the_same_recipes(capsys, tmp_path, text_file):
-    args = ["--data", str(text_file), "--vocab-size", "60", "--seq-len", "12", "--max-steps", "2",
-            *TINY_MODEL, *TINY_TRAINING]
-    code, lines, _ = run_cli(capsys, "bert", "pretrain", "--out", str(tmp_path / "old"), *args)
-    assert code == 0
-    old = json.loads(lines[-1])
-    code, lines, _ = run_cli(capsys, "train", "--preset", "bert-pretrain", "--out", str(tmp_path / "new"), *args)
-    assert code == 0 and json.loads(lines[-1])["val_loss"] == old["val_loss"]
-    code, lines, err = run_cli(capsys, "bert")
-    assert code == 2 and lines == [] and "usage: plainformer bert" in err and "pretrain" in err
-
-
 def test_pretrain_resumed_midway_ends_where_an_uninterrupted_run_does(capsys, tmp_path, text_file):
     def pretrain(out: Path, steps: int, *extra: str) -> dict:
         code, lines, _ = run_cli(capsys, "train", "--preset", "bert-pretrain", "--data", str(text_file),
@@ -161,7 +148,6 @@ def test_pretrain_resumed_midway_ends_where_an_uninterrupted_run_does(capsys, tm
     (["embed", "--model", "no/such/model", "text"], "no model directory"),
     (["embed", "--npy", "e.txt", "text"], ".npy"),
     (["finetune", "--plays", "Macbeth", "Hamlet II"], "Hamlet II"),
-    (["bert", "finetune", "--plays", "Macbeth", "Hamlet II"], "Hamlet II"),
     (["finetune", "--n-layers", "3"], "fine-tuning keeps the shape of --init"),
     (["finetune", "--preset", "bert-pretrain"], "bert-finetune"),
     (["train", "--preset", "bert-pretrain", "--tokenizer", "bpe"], "--tokenizer applies to gpt"),

@@ -1,16 +1,11 @@
-"""The encoder-decoder Transformer on the built-in tasks (`plainformer.data.seq2seq`): its part of
-`plainformer train` and `plainformer eval`, `plainformer translate`, and the older spellings
-`plainformer seq2seq train | eval`.
-
-A run directory's recipe.yaml names the task whose test split `eval` scores (BLEU with sacrebleu,
-and exact match of whole sentences).
-"""
+"""The encoder-decoder Transformer family on the built-in tasks (`plainformer.data.seq2seq`): trained
+on a task, then its test split translated greedily; evaluated by BLEU (sacrebleu) and exact match of
+whole sentences on a split of the task its run's recipe.yaml names."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,45 +13,14 @@ from typing import Any
 import torch
 
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
+from ..errors import UserError
+from ..files.json_file import read_json
 from ..models.transformer import Transformer, TransformerConfig
+from ..training.distributed import log
 from ..training.evaluation import score_translations
-from . import (
-    UserError,
-    add_group,
-    add_product_arguments,
-    add_threads_argument,
-    log,
-    non_negative_float,
-    positive_int,
-    run_and_checkpoint,
-    set_threads,
-    stdin_lines,
-)
-from .train import Run, add_train_arguments, fit
+from .family import Family, Run, fit
 
-DEFAULT_TASK = "numbers-en-fr"
 LEGACY_TASK_FILE = "task.json"  # what run directories held before recipe.yaml
-
-
-def register(subcommands: argparse._SubParsersAction) -> None:
-    commands = add_group(subcommands, "seq2seq", help="older spelling of train/eval for the encoder-decoder",
-                         description="`seq2seq train` is `train --preset seq2seq-TASK` and `seq2seq eval` "
-                                     "is `eval`: kept for scripts written before one CLI shape.")
-    legacy = commands.add_parser("train", help="= plainformer train --preset seq2seq-TASK")
-    add_train_arguments(legacy, default_preset=f"seq2seq-{DEFAULT_TASK}", families=("transformer",))
-    legacy.set_defaults(run=_run_legacy_train)
-    from .evaluate import add_eval_arguments
-
-    add_eval_arguments(commands.add_parser("eval", help="= plainformer eval"))
-    _register_translate(subcommands)
-
-
-def _run_legacy_train(args: argparse.Namespace) -> dict[str, Any]:
-    from .train import run_train
-
-    if args.preset is None and args.task is not None:
-        args.preset = f"seq2seq-{args.task}"
-    return run_train(args, f"seq2seq-{DEFAULT_TASK}", ("transformer",))
 
 
 # ----------------------------------------------------------------------------- train
@@ -103,10 +67,7 @@ def _run_task(run_dir: Path, recipe: dict[str, Any]) -> str:
 
 
 def _read_legacy_task(path: Path) -> str:
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{path} is not valid JSON: {error}") from None
+    values = read_json(path, error=UserError)
     task = values.get("task") if isinstance(values, dict) else None
     if not isinstance(task, str) or task not in TASKS:
         raise UserError(f"{path} must hold an object whose 'task' is one of {', '.join(TASKS)}, got "
@@ -130,31 +91,8 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
     return {**scores, "task": task_name, "split": split, "checkpoint": str(checkpoint)}
 
 
-# ----------------------------------------------------------------------------- translate
-
-def _register_translate(subcommands: argparse._SubParsersAction) -> None:
-    parser = subcommands.add_parser(
-        "translate", help="translate sentences with a trained encoder-decoder",
-        description="Translate TEXT, or each line of stdin when TEXT is absent; stdout holds the "
-                    "translations, one per line, and nothing else (metrics: stderr, or --json).")
-    parser.add_argument("text", nargs="?", metavar="TEXT", help="a sentence (default: read stdin)")
-    parser.add_argument("--ckpt", type=Path, required=True,
-                        help="run directory (its best/, else last/) or a checkpoint directory")
-    parser.add_argument("--beam", type=positive_int, default=1, help="beam size; 1 = greedy (default: 1)")
-    parser.add_argument("--length-penalty", type=non_negative_float, default=0.6, help="α (default: 0.6)")
-    add_threads_argument(parser)
-    add_product_arguments(parser)
-    parser.set_defaults(run=run_translate)
-
-
-def run_translate(args: argparse.Namespace) -> dict[str, Any]:
-    set_threads(args.threads)
-    model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
-    lines = [args.text] if args.text is not None else stdin_lines()
-    start = time.perf_counter()
-    translations = model.translate(lines, beam_size=args.beam, length_penalty=args.length_penalty)
-    elapsed = time.perf_counter() - start
-    for translation in translations:
-        sys.stdout.write(translation + "\n")
-    return {"sentences": len(lines), "beam": args.beam, "elapsed_s": elapsed}
-
+TRANSFORMER_FAMILY = Family(
+    name="transformer", model=Transformer, config=TransformerConfig,
+    data_fields=("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"), options=("task", "threads"),
+    train=train, evaluate=evaluate, eval_options=("beam", "length_penalty", "task", "split"),
+    cross_attention=True)

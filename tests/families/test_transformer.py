@@ -1,7 +1,6 @@
 """The encoder-decoder through the real command line, end to end on the copy task: `train --preset
 seq2seq-copy` with the recipe's defaults copies the whole test split exactly; `eval` and `translate`
-read the run back; the older spellings `seq2seq train | eval` still work; user mistakes exit with
-status 2 and one line on stderr."""
+read the run back; user mistakes exit with status 2 and one line on stderr."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def test_train_copy_recipe_copies_the_test_split_exactly(copy_run):
     assert (out / "best" / "model.safetensors").is_file() and (out / "recipe.yaml").is_file()
 
 
-@pytest.mark.parametrize("command, beam", [(["eval"], "1"), (["eval"], "4"), (["seq2seq", "eval"], "4")])
+@pytest.mark.parametrize("command, beam", [(["eval"], "1"), (["eval"], "4")])
 def test_eval_scores_the_runs_task_on_its_test_split(copy_run, capsys, command, beam):
     status, lines, err = _run(capsys, *command, "--ckpt", str(copy_run[0]), "--beam", beam)
     assert status == 0 and len(lines) == 1
@@ -77,10 +76,7 @@ def test_translate_refuses_input_that_is_not_utf8_in_one_line(copy_run, capsys, 
     assert err.strip() == "plainformer: error: standard input is not UTF-8 text (byte offset 7)"
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--preset", "seq2seq-copy"],
-    ["seq2seq", "train", "--task", "copy"],  # the older spelling picks the task's recipe
-])
+@pytest.mark.parametrize("argv", [["train", "--preset", "seq2seq-copy"]])
 def test_resume_continues_to_the_new_max_steps(copy_run, capsys, tmp_path, argv):
     run = tmp_path / "run"
     shutil.copytree(copy_run[0], run)
@@ -102,7 +98,6 @@ def test_resume_refuses_a_changed_model_or_task(copy_run, capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["eval", "--ckpt", "/nonexistent/run"], "no checkpoint"),
-    (["seq2seq", "eval", "--ckpt", "/nonexistent/run"], "no checkpoint"),
     (["translate", "--ckpt", "/nonexistent/run", "abc"], "no checkpoint"),
     (["train", "--preset", "seq2seq-copy", "--threads", "0"], "--threads"),
     (["train", "--preset", "seq2seq-copy", "--d-model", "30"], "d_model"),

@@ -1,0 +1,174 @@
+"""BERT: masked-LM pretraining on the bundled corpus with a WordPiece tokenizer trained on it
+(`bert-mlm`), and fine-tuning a pretrained BERT (default: MiniLM) to tell which play a line comes from
+(`bert-cls`); the encoder alone (`bert`) is what Hugging Face's BertModel holds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.format import load_checkpoint
+from ..data.classification import ClassificationBatchSource, play_lines_task
+from ..data.corpus import SPLITS, load_split
+from ..data.lm import build_tokenizer
+from ..data.mlm import MLMBatchSource, encode_stream
+from ..data.tokenizers import WordPieceTokenizer
+from ..errors import UserError
+from ..hf.bert import MINILM_NAME
+from ..hf.gpt import save_hf
+from ..hf.sentence import load_bert
+from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from ..training.config import TrainConfig
+from ..training.distributed import log
+from ..training.evaluation import accuracy, mean_loss
+from .family import Family, Run, checkpoint_dir, fit
+
+
+def model_location(name: str) -> str | Path:
+    """"minilm", else a directory: Hugging Face, a checkpoint, or a run directory (its best/ or last/)."""
+    return name if name == MINILM_NAME else checkpoint_dir(Path(name))
+
+
+def _eval_batch_size(run: Run) -> int:
+    return run.train.eval_batch_size or run.train.batch_size
+
+
+# ----------------------------------------------------------------------------- pretrain
+
+def _check_seq_len(seq_len: int, config: BertConfig) -> None:
+    if not 3 <= seq_len <= config.max_len:
+        raise UserError(f"--seq-len must be in [3, max_len={config.max_len}], got {seq_len}")
+
+
+def _mlm_source(data: Path | None, tokenizer: Any, seq_len: int, config: BertConfig, seed: int
+                ) -> MLMBatchSource:
+    """Windows of `seq_len` wordpieces framed by [CLS]/[SEP], 15% of tokens selected for masking."""
+    _check_seq_len(seq_len, config)
+    split = load_split(data)
+    log("encoding the corpus ...")
+    train_stream, val_stream = (encode_stream(split, which, tokenizer) for which in SPLITS)
+    log(f"data: {len(train_stream):,} train / {len(val_stream):,} validation wordpieces, "
+        f"vocabulary {tokenizer.vocab_size}")
+    return MLMBatchSource(train_stream, val_stream, tokenizer, seq_len, seed=seed)
+
+
+def pretrain(run: Run) -> dict[str, Any]:
+    """`plainformer train` for a masked-LM recipe: a WordPiece tokenizer trained on the training
+    works, then masked language modelling (15% of tokens selected; 80% [MASK], 10% random, 10% kept)."""
+    options = run.options
+    config = run.model_config(BertConfig)
+    if run.checkpoint is not None:  # resuming
+        tokenizer = run.checkpoint.load_tokenizer()
+    else:
+        _check_seq_len(options["seq_len"], config)  # before the slow steps
+        tokenizer = build_tokenizer(load_split(options.get("data")), "wordpiece",
+                                    vocab_size=options["vocab_size"])
+        config = config.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    source = _mlm_source(options.get("data"), tokenizer, options["seq_len"], config, run.train.seed)
+    torch.manual_seed(run.train.seed)
+    model = BertForMaskedLM(config)
+    log(f"model: BERT {run.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {run.out}")
+    metrics = fit(run, model, source, tokenizer)
+    masked_accuracy = accuracy(model, source, run.train.eval_batches, _eval_batch_size(run))
+    log(f"validation: MLM loss {metrics['val_loss']:.4f}, masked-token accuracy {masked_accuracy:.4f}; "
+        f"embed with: plainformer embed --model {run.out / 'last'}")
+    return {**metrics, "val_mlm_loss": metrics["val_loss"], "val_masked_accuracy": masked_accuracy,
+            "out": str(run.out)}
+
+
+# ----------------------------------------------------------------------------- finetune
+
+def _finetune_model(run: Run, n_labels: int) -> tuple[BertForSequenceClassification, Any]:
+    if run.checkpoint is not None:  # resuming
+        config = run.model_config(BertConfig)
+        if config.n_labels != n_labels:
+            raise UserError(f"--resume continues a model of {config.n_labels} classes, not {n_labels}")
+        return BertForSequenceClassification(config), run.checkpoint.load_tokenizer()
+    bert, tokenizer = load_bert(model_location(run.options["init"]))
+    model = BertForSequenceClassification(bert.config.replace(n_labels=n_labels, **run.model_overrides))
+    model.bert.load_state_dict(bert.state_dict())
+    return model, tokenizer
+
+
+def finetune(run: Run) -> dict[str, Any]:
+    """`plainformer finetune`: which of options["plays"] a line of dialogue comes from (lines split by
+    text, none in two splits); validation accuracy against the majority-class baseline."""
+    task = play_lines_task(run.options["plays"])
+    torch.manual_seed(run.train.seed)
+    model, tokenizer = _finetune_model(run, len(task.classes))
+    source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train.seed)
+    val_batches = source.num_batches("val", _eval_batch_size(run))
+    train_config = run.train.replace(eval_batches=val_batches)  # the whole validation set
+    log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
+        f"validation lines; model from {run.options['init']} -> {run.out}")
+    metrics = fit(run, model, source, tokenizer, train_config)
+    val_accuracy = accuracy(model, source, val_batches, _eval_batch_size(run))
+    baseline = task.majority_baseline("val")
+    log(f"validation accuracy {val_accuracy:.4f} (majority class: {baseline:.4f})")
+    return {**metrics, "val_accuracy": val_accuracy, "majority_baseline": baseline,
+            "classes": list(task.classes), "val_examples": len(task.val), "out": str(run.out)}
+
+
+# ----------------------------------------------------------------------------- eval
+
+def _saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int, int]:
+    """(batch size, seed, validation batches) of the evaluation: --batch-size, else the run's
+    evaluation batch size."""
+    train = checkpoint.config(TrainConfig, "train")
+    return args.batch_size or train.eval_batch_size or train.batch_size, train.seed, train.eval_batches
+
+
+def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """`plainformer eval` of a masked LM: loss and masked-token accuracy over the run's fixed
+    validation batches (the same masks as during training)."""
+    saved = load_checkpoint(checkpoint, verify=False)
+    model = BertForMaskedLM.from_checkpoint(checkpoint)
+    batch_size, seed, n_batches = _saved_batching(args, saved)
+    source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
+                         model.config, seed)
+    return {"val_mlm_loss": mean_loss(model, source, n_batches, batch_size),
+            "val_masked_accuracy": accuracy(model, source, n_batches, batch_size), "batches": n_batches}
+
+
+def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
+                        ) -> dict[str, Any]:
+    """`plainformer eval` of a fine-tuned classifier: accuracy on the whole validation set of the
+    run's task, against the majority-class baseline."""
+    saved = load_checkpoint(checkpoint, verify=False)
+    if "plays" not in recipe:
+        raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
+    model = BertForSequenceClassification.from_checkpoint(checkpoint)
+    task = play_lines_task(recipe["plays"])
+    batch_size, seed, _ = _saved_batching(args, saved)
+    if not isinstance(model.tokenizer, WordPieceTokenizer):
+        raise UserError(f"{checkpoint} holds no WordPiece tokenizer to encode the task's lines with")
+    source = ClassificationBatchSource(task, model.tokenizer, recipe.get("seq_len", 64), seed=seed)
+    return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
+            "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),
+            "val_examples": len(task.val)}
+
+
+# ----------------------------------------------------------------------------- registration
+
+def export_encoder(model: nn.Module, directory: Path, tokenizer: Any) -> None:
+    """A BERT's encoder as Hugging Face's BertModel: a task model's head stays behind."""
+    encoder = model if isinstance(model, BertModel) else model.bert
+    save_hf(encoder, directory, tokenizer=tokenizer)  # type: ignore[arg-type]  # a BertModel
+
+
+_BERT_FIELDS = ("vocab_size", "n_labels", "pad_id")
+BERT_FAMILY = Family(name="bert", model=BertModel, config=BertConfig, data_fields=_BERT_FIELDS,
+                     export=export_encoder)
+BERT_MLM_FAMILY = Family(
+    name="bert-mlm", model=BertForMaskedLM, config=BertConfig, data_fields=_BERT_FIELDS,
+    options=("data", "vocab_size", "seq_len", "threads"), train=pretrain, evaluate=evaluate_mlm,
+    eval_options=("data",), export=export_encoder)
+BERT_CLS_FAMILY = Family(
+    name="bert-cls", model=BertForSequenceClassification, config=BertConfig, data_fields=_BERT_FIELDS,
+    options=("seq_len", "init", "plays", "threads"), train=finetune, evaluate=evaluate_classifier,
+    finetune_fields=("dropout", "attention_dropout"), export=export_encoder)
