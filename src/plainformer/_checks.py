@@ -7,34 +7,71 @@ inside torch. Nothing in this module knows about the Transformer; it only phrase
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 
-def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def is_int(value: object) -> bool:
+    """An int that is no bool: Python counts True as an int, no argument here does."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or a float that is no bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object) -> int:
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
+    return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if check_int(name, value) <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value}")
     return value
 
 
+def check_non_negative_int(name: str, value: object) -> int:
+    """A count or an index, >= 0; anything else, a float or a bool too, is a ValueError."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
 def check_probability(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not is_number(value):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     return float(value)
 
 
+def check_positive_number(name: str, value: object) -> float:
+    if not is_number(value):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def check_non_negative_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not 0 <= value < float("inf"):
+    if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def check_greater_than(name: str, value: float, bound: float) -> float:
+    """A number above `bound` (a number already: checked by type, as a config field is)."""
+    if not value > bound:
+        raise ValueError(f"{name} must be > {bound}, got {value}")
+    return value
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
@@ -47,6 +84,12 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
 def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
     if value % divisor != 0:
         raise ValueError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+def check_type(name: str, value: object, kind: type) -> None:
+    """`value` is a `kind` (a model's config, say)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
 
 
 def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None,
@@ -97,6 +140,22 @@ def check_same_device(**tensors: Tensor) -> None:
         if other.device != first.device:
             raise ValueError(f"{name} is on {other.device} but {names[0]} is on {first.device}; "
                              "they must be on the same device")
+
+
+def check_same_shape(name: str, x: object, like_name: str, like: Tensor) -> Tensor:
+    """x is a tensor of like's shape (targets of their inputs, say)."""
+    tensor = check_tensor(name, x)
+    if tensor.shape != like.shape:
+        raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, "
+                         f"got {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_dtype(name: str, x: Tensor, dtype: torch.dtype, what: str) -> Tensor:
+    """x has `dtype`; `what` says what it holds and as which type ("token ids as torch.long")."""
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must hold {what}, got {x.dtype}")
+    return x
 
 
 def check_last_dim(name: str, x: Tensor, size: int, what: str) -> None:
@@ -167,9 +226,7 @@ def check_key_padding_mask(name: str, mask: object, batch: int, m: int, device: 
 
 def check_index(name: str, value: object, size: int, size_name: str) -> int:
     """An int in [0, size): a special token id, say."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value < size:
+    if not 0 <= check_int(name, value) < size:
         raise ValueError(f"{name} must be in [0, {size_name}={size}), got {value}")
     return value
 
@@ -177,6 +234,18 @@ def check_index(name: str, value: object, size: int, size_name: str) -> int:
 def check_max_len(name: str, length: int, max_len: int, max_name: str = "max_len") -> None:
     if length > max_len:
         raise ValueError(f"{name} has length {length}, longer than {max_name}={max_len}")
+
+
+def check_context(name: str, length: int, cached: int, size: int, size_name: str = "block_size") -> None:
+    """`length` new positions after `cached` ones fit a context of `size` positions."""
+    if cached + length > size:
+        raise ValueError(f"{name} has {length} positions after {cached} cached ones, more than "
+                         f"{size_name}={size}")
+
+
+def check_one_per_layer(name: str, items: Sequence[object], n_layers: int, what: str) -> None:
+    if len(items) != n_layers:
+        raise ValueError(f"{name} must hold one {what} per layer ({n_layers}), got {len(items)}")
 
 
 def check_positions(name: str, offset: int, length: int, max_len: int) -> None:

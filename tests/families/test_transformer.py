@@ -123,7 +123,8 @@ def test_eval_of_a_checkpoint_without_its_recipe_asks_for_task(copy_run, capsys,
     assert status == 0 and json.loads(lines[0])["exact_match"] >= COPIED
 
 
-def test_the_group_without_a_command_prints_its_own_help(capsys):
-    status, lines, err = _run(capsys, "seq2seq")
-    assert status == 2 and not lines
-    assert "usage: plainformer seq2seq" in err and "translate" not in err
+@pytest.mark.parametrize("group", ["seq2seq", "bert"])
+def test_the_removed_command_groups_are_one_line_errors_that_list_the_verbs(capsys, group):
+    status, lines, err = _run(capsys, group, "train")
+    assert status == 2 and not lines and len(err.strip().splitlines()) == 1
+    assert f"invalid choice: '{group}'" in err and "'train'" in err and "'translate'" in err

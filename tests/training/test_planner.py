@@ -49,11 +49,16 @@ def first_plan(clock: FakeClock, **overrides):
     return plan, plan.plan(at, lambda: clock.evaluate(0.5))
 
 
+def first_plan_at(warmup_steps: int, first_step: int) -> int | None:
+    clock = FakeClock()
+    return steps_until_a_plan(planner(clock, warmup_steps=warmup_steps), clock, first_step, 1000, 0.125)
+
+
 def test_the_first_plan_waits_for_warmup_and_ten_steps_of_the_session_timed():
-    assert steps_until_a_plan(planner(FakeClock(), warmup_steps=2), FakeClock(), 1, 100, 0.1) == 1 + STEPS_TO_TIME
-    assert steps_until_a_plan(planner(FakeClock(), warmup_steps=30), FakeClock(), 1, 100, 0.1) == 30
+    assert first_plan_at(warmup_steps=2, first_step=1) == 1 + STEPS_TO_TIME
+    assert first_plan_at(warmup_steps=30, first_step=1) == 30
     # A session resumed at step 50 without a plan times its own steps: from 51, its first.
-    assert steps_until_a_plan(planner(FakeClock(), warmup_steps=30), FakeClock(), 51, 100, 0.1) == 61
+    assert first_plan_at(warmup_steps=30, first_step=51) == 51 + STEPS_TO_TIME
 
 
 def test_the_first_plan_fills_the_time_left_at_the_measured_step_and_evaluation_times():

@@ -304,6 +304,42 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
         Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path, resume=True, progress=False)
 
 
+def test_resume_from_a_loaded_checkpoint_reads_and_verifies_it_no_more_and_continues_exactly(tmp_path, monkeypatch):
+    from plainformer.checkpoint import format as checkpoint
+    from plainformer.training import trainer as trainer_module
+
+    reference, _ = train(tmp_path / "a", max_steps=8)
+    train(tmp_path / "b", max_steps=4, decay_steps=8)
+    loaded = load_checkpoint(tmp_path / "b" / "last")
+    hashed = []
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path))
+    monkeypatch.setattr(trainer_module, "load_checkpoint", lambda *a, **k: pytest.fail("read the checkpoint again"))
+    trainer = Trainer(fresh_model(seed=99), CountingTokens(), small_config(max_steps=8, decay_steps=8),
+                      tmp_path / "b", resume=loaded, progress=False)
+    assert hashed == [] and trainer.step == 4
+    monkeypatch.undo()
+    trainer.fit()
+    assert_same_weights(trainer.model, reference.model)
+    assert read_metrics(tmp_path / "b", "train_loss") == read_metrics(tmp_path / "a", "train_loss")
+
+
+def test_resume_from_a_loaded_checkpoint_of_another_family_or_model_is_refused(tmp_path):
+    train(tmp_path, max_steps=1)
+    loaded = load_checkpoint(tmp_path / "last")
+    with pytest.raises(CheckpointError, match=r"holds a 'gpt' model .* not the 'tiny-lm' model .*same model"):
+        Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path,
+                resume=dataclasses.replace(loaded, family="gpt"), progress=False)
+    with pytest.raises(CheckpointError, match="same model"):
+        Trainer(TinyLM(TinyConfig(d_ff=32)), CountingTokens(), small_config(), tmp_path, resume=loaded,
+                progress=False)
+
+
+def test_resume_is_a_bool_or_a_loaded_checkpoint(tmp_path):
+    with pytest.raises(TypeError, match="resume must be a bool or a loaded Checkpoint, got PosixPath"):
+        Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path, resume=tmp_path / "last",
+                progress=False)
+
+
 def test_the_step_clock_stops_only_before_logging_evaluating_or_saving(tmp_path, monkeypatch):
     # Each stop synchronises a CUDA device; between log lines the steps run back to back.
     from plainformer.training import trainer as trainer_module
@@ -376,6 +412,25 @@ def test_resume_skips_metrics_lines_that_are_not_records_of_a_step(tmp_path):
     train(tmp_path, resume=True, max_steps=4)
     after = logged(tmp_path)
     assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3, 3, 4, 4]
+
+
+def test_a_failed_metrics_rewrite_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    from plainformer.training import trainer as trainer_module
+
+    train(tmp_path, max_steps=3)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    write_text = type(tmp_path).write_text
+
+    def failing_write(path, *args, **kwargs):
+        write_text(path, "half a li", encoding="utf-8")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_text", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        trainer_module._keep_metrics_until(tmp_path / "metrics.jsonl", 2)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".metrics.jsonl")]
 
 
 @pytest.mark.parametrize("edit, field", [

@@ -28,7 +28,7 @@ class SavedModel(nn.Module):
         if checkpoint.family != cls.family:
             raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
                                   f"not a {cls.__name__} ({cls.family!r})")
-        model = cls(checkpoint.config(cls.config_class))  # type: ignore[call-arg]  # every family takes its config
+        model = cls(checkpoint.config(cls.config_class))  # every family takes its config
         checkpoint.restore_model(model)
         model.to(map_location)
         model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None

@@ -67,9 +67,20 @@ def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
 
 def _check_options(dropout_p: float, scale: float | None) -> None:
     _checks.check_probability("dropout_p", dropout_p)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not 0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if scale is not None:
+        _checks.check_positive_number("scale", scale)
+
+
+def check_attention_args(d_model: int, n_heads: int, n_kv_heads: int | None, dropout: float, backend: str) -> None:
+    """`MultiHeadAttention`'s arguments, as its constructor checks them (and the layers, for theirs)."""
+    _checks.check_positive_int("d_model", d_model)
+    _checks.check_positive_int("n_heads", n_heads)
+    _checks.check_divisible("d_model", d_model, "n_heads", n_heads)
+    if n_kv_heads is not None:
+        _checks.check_positive_int("n_kv_heads", n_kv_heads)
+        _checks.check_divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
+    _checks.check_probability("dropout", dropout)
+    _checks.check_choice("backend", backend, BACKENDS)
 
 
 # ----------------------------------------------------------------------------- heads
@@ -253,19 +264,17 @@ class MultiHeadAttention(nn.Module):
     cross-attention over a memory projected on the spot), `attend_cached` (decoding: new positions
     join a growing KV cache) or `attend_memory` (cross-attention over a memory projected once, a
     static cache).
+
+    validate_args=False (as in torch.distributions) skips the checks of the arguments: for a module
+    built from a config that checked them already (a model's), or by a layer that did.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, backend: str = "auto"):
+                 dropout: float = 0.0, backend: str = "auto", validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("n_heads", n_heads)
-        _checks.check_divisible("d_model", d_model, "n_heads", n_heads)
+        if validate_args:
+            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        _checks.check_positive_int("n_kv_heads", n_kv_heads)
-        _checks.check_divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
-        _checks.check_probability("dropout", dropout)
-        _checks.check_choice("backend", backend, BACKENDS)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.dropout, self.backend = dropout, backend

@@ -5,7 +5,8 @@ Post-LN, as in the paper:   x = LayerNorm(x + Dropout(MultiHead(x, x, x)))
 Pre-LN (norm_first=True):   x = x + Dropout(MultiHead(LN(x), LN(x), LN(x)))
                             x = x + Dropout(FFN(LN(x)))
 
-A GPT block is the pre-LN encoder layer with a causal mask, so the decoder-only models reuse it.
+BERT's layer is the post-LN encoder layer; GPT's block is its own `models.gpt.Block`, built from
+its config.
 
 The decoder layer and stack of the encoder-decoder Transformer (Vaswani et al. 2017, section 3.1).
 
@@ -36,15 +37,25 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks
-from .attention import MultiHeadAttention
-from .feedforward import FeedForward
+from .attention import MultiHeadAttention, check_attention_args
+from .feedforward import FeedForward, check_feedforward_args
 from .kv_cache import KVCache
 from .masks import AttentionMask, check_masks
-from .normalization import make_norm
-from .positional import SinusoidalPositionalEncoding
+from .normalization import NORMS, make_norm
+from .positional import SinusoidalPositionalEncoding, check_even_d_model
 
 if TYPE_CHECKING:
     from .rope import RotaryEmbedding
+
+
+def check_layer_args(d_model: int, n_heads: int, d_ff: int, *, dropout: float, activation: str,
+                     n_kv_heads: int | None, norm: str, attention_dropout: float | None, backend: str) -> None:
+    """An encoder or decoder layer's arguments, each checked once (its sublayers then skip theirs)."""
+    check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend)
+    if attention_dropout is not None:
+        _checks.check_probability("attention_dropout", attention_dropout)
+    check_feedforward_args(d_ff, activation)
+    _checks.check_choice("norm", norm, NORMS)
 
 
 class _ResidualLayer(nn.Module):
@@ -52,32 +63,41 @@ class _ResidualLayer(nn.Module):
     and a feed-forward sublayer, one norm and one dropout per sublayer, and the residual wiring.
 
     Submodules: `self_attn` (and `cross_attn`), `ff`, `norm1` .. `norm{k}`, `dropout1` .. `dropout{k}`.
+    The attention takes d_model, n_heads, n_kv_heads, bias, backend and attention_dropout (default:
+    dropout); the feed-forward d_ff, activation and dropout; the norms norm and norm_eps; norm_first
+    is pre-LN. validate_args=False skips the checks: for a layer built by a stack or a model that
+    checked them (see `MultiHeadAttention`).
     """
 
+    cross_attention: ClassVar[bool]  # the decoder's layers also attend to the encoder's memory
     norm1: nn.Module  # registered by add_module, in a loop
     norm2: nn.Module
     dropout1: nn.Module
     dropout2: nn.Module
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, cross_attention: bool, dropout: float,
-                 activation: str, norm_first: bool, n_kv_heads: int | None, norm: str, norm_eps: float,
-                 bias: bool, attention_dropout: float | None, backend: str, ff: nn.Module | None = None):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
+                 attention_dropout: float | None = None, backend: str = "auto", validate_args: bool = True):
         super().__init__()
-        _checks.check_probability("dropout", dropout)
+        if validate_args:
+            check_layer_args(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                             n_kv_heads=n_kv_heads, norm=norm, attention_dropout=attention_dropout,
+                             backend=backend)
         attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.norm_first = norm_first
 
         def attention() -> MultiHeadAttention:
             return MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias,
-                                      dropout=attention_dropout, backend=backend)
+                                      dropout=attention_dropout, backend=backend, validate_args=False)
 
         self.self_attn = attention()
-        if cross_attention:
+        if self.cross_attention:
             self.cross_attn = attention()
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias) if ff is None else ff
-        sublayers = 3 if cross_attention else 2
+        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias, validate_args=False)
+        sublayers = 3 if self.cross_attention else 2
         for i in range(1, sublayers + 1):
-            self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias))
+            self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias, validate_args=False))
         for i in range(1, sublayers + 1):
             self.add_module(f"dropout{i}", nn.Dropout(dropout))
 
@@ -98,18 +118,11 @@ class _ResidualLayer(nn.Module):
 class EncoderLayer(_ResidualLayer):
     """Self-attention then feed-forward, each wrapped in dropout, a residual and a norm.
 
-    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward, or the module passed as `ff`,
-    e.g. an `MoEFeedForward`), `norm1`, `norm2`.
+    Submodules: `self_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`, `norm2`.
+    EncoderLayer(d_model, n_heads, d_ff, **options): the options of `_ResidualLayer`.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto", ff: nn.Module | None = None):
-        super().__init__(d_model, n_heads, d_ff, cross_attention=False, dropout=dropout,
-                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
-                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend,
-                         ff=ff)
+    cross_attention = False
 
     def forward(self, x: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
@@ -135,28 +148,32 @@ class EncoderLayer(_ResidualLayer):
 class TokenStack(nn.Module):
     """What the encoder and decoder stacks share: token embedding · √d_model + sinusoidal PE and
     dropout in front of N layers of `layer_type`, then a final LayerNorm when they are pre-LN.
-    The embedding of `pad_id` is kept at zero."""
+    The embedding of `pad_id` is kept at zero. The layer options (dropout .. backend) are those of
+    `_ResidualLayer`; validate_args=False skips the checks (a model's config made them).
+    """
 
     layer_type: ClassVar[Callable[..., nn.Module]]  # EncoderLayer or DecoderLayer
 
     def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
                  max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, backend: str = "auto"):
+                 norm_eps: float = 1e-5, backend: str = "auto", validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("vocab_size", vocab_size)
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("n_layers", n_layers)
-        _checks.check_probability("dropout", dropout)
-        if pad_id is not None:
-            _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
+        if validate_args:
+            for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_len", max_len)):
+                _checks.check_positive_int(name, value)
+            if pad_id is not None:
+                _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
+            check_layer_args(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
+                             n_kv_heads=n_kv_heads, norm="layernorm", attention_dropout=None, backend=backend)
+            check_even_d_model(d_model)
         self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
-        self.positional = SinusoidalPositionalEncoding(d_model, max_len)
+        self.positional = SinusoidalPositionalEncoding(d_model, max_len, validate_args=False)
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
-            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                            norm_first=norm_first, n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend)
+            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
+                            n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend, validate_args=False)
             for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()
 
@@ -236,19 +253,13 @@ class DecoderLayer(_ResidualLayer):
     a residual connection and a norm.
 
     Submodules: `self_attn`, `cross_attn` (MultiHeadAttention), `ff` (FeedForward), `norm1`..`norm3`.
+    DecoderLayer(d_model, n_heads, d_ff, **options): the options of `_ResidualLayer`.
     """
 
+    cross_attention = True
     cross_attn: MultiHeadAttention
     norm3: nn.Module
     dropout3: nn.Module
-
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
-                 activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
-                 norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto"):
-        super().__init__(d_model, n_heads, d_ff, cross_attention=True, dropout=dropout,
-                         activation=activation, norm_first=norm_first, n_kv_heads=n_kv_heads, norm=norm,
-                         norm_eps=norm_eps, bias=bias, attention_dropout=attention_dropout, backend=backend)
 
     def forward(self, x: Tensor, memory: Tensor, tgt_mask: Tensor | AttentionMask | None = None, *,
                 memory_mask: Tensor | AttentionMask | None = None, is_causal: bool = False,
@@ -335,9 +346,8 @@ class Decoder(TokenStack):
                kv_caches: list[DecoderCache] | None) -> tuple[AttentionMask, AttentionMask]:
         """Validate `forward`'s inputs (shapes only) and build the self- and cross-attention masks."""
         _checks.check_token_id_tensor("tgt", tgt)
-        if kv_caches is not None and len(kv_caches) != len(self.layers):
-            raise ValueError(f"kv_caches must hold one DecoderCache per layer ({len(self.layers)}), "
-                             f"got {len(kv_caches)}")
+        if kv_caches is not None:
+            _checks.check_one_per_layer("kv_caches", kv_caches, len(self.layers), "DecoderCache")
         offset = 0 if kv_caches is None else kv_caches[0].self_attn.length
         (batch, n), m = tgt.shape, offset + tgt.shape[1]
         _checks.check_max_len("tgt (cached positions included)", m, self.max_len)

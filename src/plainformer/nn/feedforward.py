@@ -18,19 +18,26 @@ from .linear import Linear
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
 
+def check_feedforward_args(d_ff: int, activation: str) -> None:
+    """`FeedForward`'s own arguments: d_model and dropout a layer checks with its attention's."""
+    _checks.check_positive_int("d_ff", d_ff)
+    _checks.check_choice("activation", activation, ACTIVATIONS)
+
+
 class FeedForward(nn.Module):
     """Linear `W_1` (d_model -> d_ff), activation, dropout, Linear `W_2` (d_ff -> d_model).
 
     With activation="swiglu" a third projection `W_3` (d_model -> d_ff) gates the first.
+    validate_args=False skips the checks of the arguments (see `MultiHeadAttention`).
     """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0, *,
-                 bias: bool = True):
+                 bias: bool = True, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("d_ff", d_ff)
-        _checks.check_choice("activation", activation, ACTIVATIONS)
-        _checks.check_probability("dropout", dropout)
+        if validate_args:
+            _checks.check_positive_int("d_model", d_model)
+            check_feedforward_args(d_ff, activation)
+            _checks.check_probability("dropout", dropout)
         self.activation = activation
         self.W_1 = Linear(d_model, d_ff, bias=bias)
         self.W_3 = Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None

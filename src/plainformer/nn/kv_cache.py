@@ -15,14 +15,16 @@ from .. import _checks
 
 
 class KVCache:
-    """Keys and values of positions 0 .. length-1, in buffers (B, H_kv, max_len, d_k)."""
+    """Keys and values of positions 0 .. length-1, in buffers (B, H_kv, max_len, d_k).
+    validate_args=False skips the checks of the sizes (a model that checked them builds its caches)."""
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 static: bool = False):
-        for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
-                            ("max_len", max_len), ("head_dim", head_dim)):
-            _checks.check_positive_int(name, value)
+                 static: bool = False, validate_args: bool = True):
+        if validate_args:
+            for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
+                                ("max_len", max_len), ("head_dim", head_dim)):
+                _checks.check_positive_int(name, value)
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=device)
         self._v = torch.zeros(shape, dtype=dtype, device=device)

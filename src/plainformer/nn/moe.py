@@ -197,7 +197,8 @@ class MoEFeedForward(nn.Module):
     `step_dropped`, summed over the micro-batches of an optimizer step until `update_bias()`.
 
     One host synchronisation per forward: the per-expert slot counts are read once with `.tolist()`,
-    because the slices of the dispatch need their sizes on the host.
+    because the slices of the dispatch need their sizes on the host. validate_args=False skips the
+    checks of the arguments (see `MultiHeadAttention`): a GPT's config checked them.
     """
 
     expert_bias: Tensor  # (E,) buffers
@@ -205,24 +206,19 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, n_shared_experts: int = 0,
                  score: str = "softmax", normalize_top_k: bool = True, capacity_factor: float | None = None,
-                 bias_update_rate: float = 0.0, dropout: float = 0.0):
+                 bias_update_rate: float = 0.0, dropout: float = 0.0, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("d_ff", d_ff)
-        _checks.check_positive_int("n_experts", n_experts)
-        _checks.check_positive_int("top_k", top_k)
-        if top_k > n_experts:
-            raise ValueError(f"top_k must be at most n_experts={n_experts}, got {top_k}")
-        if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts must be a non-negative int, got {n_shared_experts!r}")
-        _checks.check_choice("score", score, SCORES)
-        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                                and not isinstance(capacity_factor, bool) and capacity_factor > 0):
-            raise ValueError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
-        if (isinstance(bias_update_rate, bool) or not isinstance(bias_update_rate, (int, float))
-                or bias_update_rate < 0):
-            raise ValueError(f"bias_update_rate must be a non-negative number, got {bias_update_rate!r}")
-        _checks.check_probability("dropout", dropout)
+        if validate_args:
+            for name, value in (("d_model", d_model), ("d_ff", d_ff), ("n_experts", n_experts), ("top_k", top_k)):
+                _checks.check_positive_int(name, value)
+            if top_k > n_experts:
+                raise ValueError(f"top_k must be at most n_experts={n_experts}, got {top_k}")
+            _checks.check_non_negative_int("n_shared_experts", n_shared_experts)
+            _checks.check_choice("score", score, SCORES)
+            if capacity_factor is not None:
+                _checks.check_positive_number("capacity_factor", capacity_factor)
+            _checks.check_non_negative_number("bias_update_rate", bias_update_rate)
+            _checks.check_probability("dropout", dropout)
         self.n_experts, self.top_k, self.score = n_experts, top_k, score
         self.normalize_top_k = normalize_top_k
         self.capacity_factor = capacity_factor
@@ -232,8 +228,8 @@ class MoEFeedForward(nn.Module):
         self.W_1 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.W_3 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.W_2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
-        self.shared = (FeedForward(d_model, n_shared_experts * d_ff, "swiglu", dropout, bias=False)
-                       if n_shared_experts else None)
+        self.shared = (FeedForward(d_model, n_shared_experts * d_ff, "swiglu", dropout, bias=False,
+                                   validate_args=False) if n_shared_experts else None)
         self.register_buffer("expert_bias", torch.zeros(n_experts))
         # An integer count, so that casting the model to half precision cannot round it.
         self.register_buffer("step_load", torch.zeros(n_experts, dtype=torch.long), persistent=False)

@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
     """x / RMS(x) ⊙ weight over the last axis; computed in at least float32 (half-precision inputs are
     upcast for the mean of squares, float64 inputs stay float64)."""
 
-    def __init__(self, d_model: int, eps: float = 1e-6):
+    def __init__(self, d_model: int, eps: float = 1e-6, *, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
+        if validate_args:
+            _checks.check_positive_int("d_model", d_model)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
 
@@ -78,9 +79,12 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def make_norm(kind: str, d_model: int, *, eps: float = 1e-5, bias: bool = True) -> nn.Module:
-    """"layernorm" (torch's LayerNorm) or "rmsnorm" over d_model features."""
-    _checks.check_choice("norm", kind, NORMS)
+def make_norm(kind: str, d_model: int, *, eps: float = 1e-5, bias: bool = True,
+              validate_args: bool = True) -> nn.Module:
+    """"layernorm" (torch's LayerNorm) or "rmsnorm" over d_model features (validate_args: see
+    `MultiHeadAttention`)."""
+    if validate_args:
+        _checks.check_choice("norm", kind, NORMS)
     if kind == "rmsnorm":
-        return RMSNorm(d_model, eps=eps)
+        return RMSNorm(d_model, eps=eps, validate_args=validate_args)
     return nn.LayerNorm(d_model, eps=eps, bias=bias)

@@ -20,15 +20,24 @@ from torch import Tensor, nn
 from .. import _checks
 
 
-def _frequencies(d_model: int) -> Tensor:
-    """ω_i = 1 / 10000^(2i/d_model), i = 0 .. d_model/2-1, in float64: (d_model/2,)."""
+def check_even_d_model(d_model: int) -> None:
+    """Sinusoids come in (sin, cos) pairs: d_model must be even."""
     if d_model % 2:
         raise ValueError(f"d_model must be even for sinusoidal positional encoding, got {d_model}")
+
+
+def _frequencies(d_model: int) -> Tensor:
+    """ω_i = 1 / 10000^(2i/d_model), i = 0 .. d_model/2-1, in float64: (d_model/2,)."""
     return torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
 
 
 def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The (max_len, d_model) table PE, computed in float64 and returned in `dtype`."""
+    check_even_d_model(d_model)
+    return _table(max_len, d_model, dtype)
+
+
+def _table(max_len: int, d_model: int, dtype: torch.dtype) -> Tensor:
     position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
     angles = position * _frequencies(d_model)  # (max_len, d_model/2)
     table = torch.empty(max_len, d_model, dtype=torch.float64)
@@ -39,6 +48,7 @@ def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.floa
 
 def relative_shift_matrix(k: int, d_model: int) -> Tensor:
     """M_k (d_model, d_model) in float64, block-diagonal rotations with PE(pos + k) = M_k · PE(pos)."""
+    check_even_d_model(d_model)
     frequency = _frequencies(d_model)
     cos, sin = torch.cos(k * frequency), torch.sin(k * frequency)
     matrix = torch.zeros(d_model, d_model, dtype=torch.float64)
@@ -49,17 +59,24 @@ def relative_shift_matrix(k: int, d_model: int) -> Tensor:
     return matrix
 
 
+def _check_sizes(d_model: int, max_len: int) -> None:
+    _checks.check_positive_int("d_model", d_model)
+    _checks.check_positive_int("max_len", max_len)
+
+
 class SinusoidalPositionalEncoding(nn.Module):
-    """x + PE[offset : offset+n] for x of shape (B, n, d_model); buffer `pe` is (max_len, d_model)."""
+    """x + PE[offset : offset+n] for x of shape (B, n, d_model); buffer `pe` is (max_len, d_model).
+    validate_args=False skips the checks of the arguments (see `MultiHeadAttention`)."""
 
     pe: Tensor
 
-    def __init__(self, d_model: int, max_len: int):
+    def __init__(self, d_model: int, max_len: int, *, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("max_len", max_len)
+        if validate_args:
+            _check_sizes(d_model, max_len)
+            check_even_d_model(d_model)
         self.d_model, self.max_len = d_model, max_len
-        self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
+        self.register_buffer("pe", _table(max_len, d_model, torch.float32), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, n, d_model) at positions offset .. offset+n-1 -> same shape; not checked here."""
@@ -67,12 +84,13 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Module):
-    """x + P[offset : offset+n] with P a trained (max_len, d_model) table (GPT-2, BERT)."""
+    """x + P[offset : offset+n] with P a trained (max_len, d_model) table (GPT-2, BERT).
+    validate_args=False skips the checks of the arguments (see `MultiHeadAttention`)."""
 
-    def __init__(self, d_model: int, max_len: int):
+    def __init__(self, d_model: int, max_len: int, *, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("d_model", d_model)
-        _checks.check_positive_int("max_len", max_len)
+        if validate_args:
+            _check_sizes(d_model, max_len)
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
 

@@ -41,19 +41,20 @@ class _Rotate(torch.autograd.Function):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates (B, H, n, d) queries or keys for positions offset .. offset+n-1."""
+    """Rotates (B, H, n, d) queries or keys for positions offset .. offset+n-1.
+    validate_args=False skips the checks of the arguments (see `MultiHeadAttention`)."""
 
     cos: Tensor  # (max_len, d) buffers: cos(p θ) and s̃ = [-sin(p θ₁), sin(p θ₂)]
     signed_sin: Tensor
 
-    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0, *, validate_args: bool = True):
         super().__init__()
-        _checks.check_positive_int("head_dim", head_dim)
-        _checks.check_positive_int("max_len", max_len)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
-        if base <= 1:
-            raise ValueError(f"base must be > 1, got {base}")
+        if validate_args:
+            _checks.check_positive_int("head_dim", head_dim)
+            _checks.check_positive_int("max_len", max_len)
+            if head_dim % 2:
+                raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+            _checks.check_greater_than("base", _checks.check_positive_number("base", base), 1)
         self.head_dim, self.max_len, self.base = head_dim, max_len, base
         theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float64), theta)  # (max_len, d/2)
