@@ -471,16 +471,16 @@ def test_an_argparse_mistake_is_one_error_line_too(capsys):
 
 def _float_flags() -> list[tuple[str, str]]:
     """(flag, a preset whose configs have it) for every float field that `train` takes as a flag."""
-    from plainformer import families
+    from plainformer import families, recipes
     from plainformer.cli.train import recipe_keys
     from plainformer.training.config import TrainConfig
 
-    presets = {"gpt": "default", "bert-mlm": "bert-pretrain", "transformer": "seq2seq-copy"}
+    presets = {family.name: recipes.names(family.name)[0] for family in families.trained()}
     flags = {}
     for family, config_cls in [*((f.name, f.config) for f in families.trained()), ("gpt", TrainConfig)]:
         for field in dataclasses.fields(config_cls):
             if field.name in recipe_keys() and "float" in str(field.type) and field.name not in flags:
-                flags[field.name] = presets.get(family, "default")
+                flags[field.name] = presets[family]
     assert {"lr", "dropout", "rope_base", "label_smoothing", "max_time"} <= set(flags)
     return sorted(flags.items())
 

@@ -40,6 +40,7 @@ from .models import (
     TransformerConfig,
 )
 from .models.attention_maps import attention_maps, plot_attention_maps
+from .models.gpt import Block
 from .nn.attention import MultiHeadAttention, attention, scaled_dot_product_attention
 from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
 from .nn.feedforward import FeedForward
@@ -61,6 +62,7 @@ __all__ = [
     "BertForMaskedLM",
     "BertForSequenceClassification",
     "BertModel",
+    "Block",
     "CharTokenizer",
     "Checkpoint",
     "CheckpointError",

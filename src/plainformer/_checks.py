@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:  # annotations only: typing.TypeIs arrives with Python 3.13
+    from typing_extensions import TypeIs
 
-def is_int(value: object) -> bool:
+
+def is_int(value: object) -> TypeIs[int]:
     """An int that is no bool: Python counts True as an int, no argument here does."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeIs[int | float]:
     """An int or a float that is no bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -31,9 +35,10 @@ def check_int(name: str, value: object) -> int:
 
 
 def check_positive_int(name: str, value: object) -> int:
-    if check_int(name, value) <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return value
+    number = check_int(name, value)
+    if number <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {number}")
+    return number
 
 
 def check_non_negative_int(name: str, value: object) -> int:
@@ -55,7 +60,7 @@ def check_positive_number(name: str, value: object) -> float:
     if not is_number(value):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -226,9 +231,10 @@ def check_key_padding_mask(name: str, mask: object, batch: int, m: int, device: 
 
 def check_index(name: str, value: object, size: int, size_name: str) -> int:
     """An int in [0, size): a special token id, say."""
-    if not 0 <= check_int(name, value) < size:
-        raise ValueError(f"{name} must be in [0, {size_name}={size}), got {value}")
-    return value
+    index = check_int(name, value)
+    if not 0 <= index < size:
+        raise ValueError(f"{name} must be in [0, {size_name}={size}), got {index}")
+    return index
 
 
 def check_max_len(name: str, length: int, max_len: int, max_name: str = "max_len") -> None:

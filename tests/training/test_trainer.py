@@ -342,15 +342,15 @@ def test_resume_is_a_bool_or_a_loaded_checkpoint(tmp_path):
 
 def test_the_step_clock_stops_only_before_logging_evaluating_or_saving(tmp_path, monkeypatch):
     # Each stop synchronises a CUDA device; between log lines the steps run back to back.
-    from plainformer.training import trainer as trainer_module
-    stopped_at, stop = [], trainer_module._Stopwatch.stop
+    from plainformer.training.bookkeeping import Stopwatch
+    stopped_at, stop = [], Stopwatch.stop
 
     def counting_stop(watch):
         if watch._since is not None:
             stopped_at.append(current.step)
         stop(watch)
 
-    monkeypatch.setattr(trainer_module._Stopwatch, "stop", counting_stop)
+    monkeypatch.setattr(Stopwatch, "stop", counting_stop)
     current = Trainer(fresh_model(), CountingTokens(), small_config(max_steps=12, log_interval=4,
                                                                    eval_interval=6, save_interval=0),
                       tmp_path, progress=False)
@@ -415,7 +415,7 @@ def test_resume_skips_metrics_lines_that_are_not_records_of_a_step(tmp_path):
 
 
 def test_a_failed_metrics_rewrite_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
-    from plainformer.training import trainer as trainer_module
+    from plainformer.training.bookkeeping import keep_metrics_until
 
     train(tmp_path, max_steps=3)
     before = (tmp_path / "metrics.jsonl").read_text()
@@ -427,7 +427,7 @@ def test_a_failed_metrics_rewrite_leaves_the_old_file_whole_and_no_temporary(tmp
 
     monkeypatch.setattr(type(tmp_path), "write_text", failing_write)
     with pytest.raises(OSError, match="No space left"):
-        trainer_module._keep_metrics_until(tmp_path / "metrics.jsonl", 2)
+        keep_metrics_until(tmp_path / "metrics.jsonl", 2)
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".metrics.jsonl")]

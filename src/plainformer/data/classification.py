@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from .corpus import SPLITS, bundled_works, load_text
-from .mlm import _check_index, _check_wordpiece, _generator
+from .corpus import SPLITS, bundled_works, check_batch_index, load_text
+from .mlm import _check_wordpiece, _generator
 from .tokenizers import WordPieceTokenizer
 
 DEFAULT_PLAYS = ("Macbeth", "A Midsummer Night's Dream")
@@ -103,7 +103,7 @@ class ClassificationBatchSource:
 
     def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
         examples = self.task.examples(split)
-        _check_index(index, batch_size)
+        check_batch_index(index, batch_size)
         if split == "train":
             rows = torch.randint(0, len(examples), (batch_size,),
                                  generator=_generator(self.seed, split, index)).tolist()

@@ -228,6 +228,13 @@ def load_split(path: str | os.PathLike | None = None, *, val_fraction: float = V
     return split_text(text, bundled_works(text) if path is None else None, val_fraction=val_fraction)
 
 
+def check_batch_index(index: object, batch_size: object) -> None:
+    """The arguments of a batch source's get_batch(split, index, batch_size): index >= 0, batch_size >= 1."""
+    if not _checks.is_int(index) or index < 0:
+        raise ValueError(f"index must be a non-negative int, got {index!r}")
+    _checks.check_positive_int("batch_size", batch_size)
+
+
 def stable_seed(*parts: object) -> int:
     """A 63-bit seed from `parts`, the same in every process (Python's hash() is salted per process)."""
     digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()

@@ -52,6 +52,7 @@ from .corpus import (
     SPLITS,
     VAL_FRACTION,
     TextSplit,
+    check_batch_index,
     check_val_fraction,
     line_cut,
     stable_seed,
@@ -552,9 +553,7 @@ class LMBatchSource:
     def __init__(self, train_tokens: np.ndarray | Tensor, val_tokens: np.ndarray | Tensor,
                  block_size: int, seed: int = 0):
         self.block_size = _checks.check_positive_int("block_size", block_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.seed = seed
+        self.seed = _checks.check_int("seed", seed)
         self.tokens = {"train": _as_tokens("train_tokens", train_tokens),
                        "val": _as_tokens("val_tokens", val_tokens)}
         for split, tokens in self.tokens.items():
@@ -566,9 +565,7 @@ class LMBatchSource:
     def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
         """{"idx": (B, T) long, "targets": (B, T) long}, a function of (seed, split, index) only."""
         tokens = self.tokens[_checks.check_choice("split", split, SPLITS)]
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index must be a non-negative int, got {index!r}")
-        _checks.check_positive_int("batch_size", batch_size)
+        check_batch_index(index, batch_size)
         T = self.block_size
         generator = torch.Generator().manual_seed(stable_seed(self.seed, split, index))
         starts = torch.randint(0, len(tokens) - T, (batch_size,), generator=generator).numpy()

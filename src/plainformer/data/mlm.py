@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..constants import IGNORE_INDEX
-from .corpus import SPLITS, TextSplit, stable_seed
+from .corpus import SPLITS, TextSplit, check_batch_index, stable_seed
 from .tokenizers import WordPieceTokenizer
 
 SELECT_PROB = 0.15
@@ -75,12 +75,6 @@ def _non_special_ids(vocab_size: int, special: Tensor) -> Tensor:
     return ordinary.nonzero().squeeze(1).to(special.dtype)
 
 
-def _check_index(index: object, batch_size: int) -> None:
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"index must be a non-negative int, got {index!r}")
-    _checks.check_positive_int("batch_size", batch_size)
-
-
 def _generator(seed: int, split: str, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(stable_seed(seed, split, index))
 
@@ -112,9 +106,8 @@ class MLMBatchSource:
         self.seq_len = _checks.check_positive_int("seq_len", seq_len)
         if seq_len < 3:
             raise ValueError(f"seq_len must be at least 3 ([CLS], one token, [SEP]), got {seq_len}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.seed, self.select_prob = seed, _checks.check_probability("select_prob", select_prob)
+        self.seed = _checks.check_int("seed", seed)
+        self.select_prob = _checks.check_probability("select_prob", select_prob)
         self.tokens = {"train": np.asarray(train_tokens), "val": np.asarray(val_tokens)}
         for split, tokens in self.tokens.items():
             if tokens.ndim != 1 or len(tokens) < seq_len - 2:
@@ -123,7 +116,7 @@ class MLMBatchSource:
 
     def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
         tokens = self.tokens[_checks.check_choice("split", split, SPLITS)]
-        _check_index(index, batch_size)
+        check_batch_index(index, batch_size)
         generator = _generator(self.seed, split, index)
         width = self.seq_len - 2
         starts = torch.randint(0, len(tokens) - width + 1, (batch_size,), generator=generator).numpy()

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
+from .corpus import check_batch_index
 from .tokenizers import BPETokenizer
 
 SPLITS = ("train", "val", "test")
@@ -201,9 +202,7 @@ class Seq2SeqBatches:
     def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
         """Batch `index` of `split` (see the class docstring)."""
         _check_split(split)
-        _checks.check_positive_int("batch_size", batch_size)
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index must be an int >= 0, got {index!r}")
+        check_batch_index(index, batch_size)
         if not self._examples[split]:
             raise ValueError(f"split {split!r} of task {self.task.name!r} is empty")
         per_epoch = len(self._epoch(split, 0, batch_size))

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..nn.dtypes import at_least_float32
-from .decoding import IncrementalDecoder
+from .decoding import IncrementalDecoder, check_prompts
 
 
 def length_penalty_factor(lengths: Tensor, alpha: float) -> Tensor:
@@ -32,11 +32,7 @@ def beam_search(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *, 
     Returns (tokens (B, n + steps), scores (B,)): the best hypothesis of each row, eos-padded after its
     eos as `generate` pads, and its s(Y). beam_size = 1 is greedy decoding.
     """
-    _checks.check_tensor("idx", idx, ndim=2, shape_doc="(B, n)")
-    if idx.shape[1] == 0:
-        raise ValueError(f"idx must hold at least one prompt token per row, got shape {tuple(idx.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_prompts(idx, max_new_tokens)
     _checks.check_positive_int("beam_size", beam_size)
     _checks.check_non_negative_number("length_penalty", length_penalty)
     if idx.shape[1] + max_new_tokens - 1 > model.block_size:

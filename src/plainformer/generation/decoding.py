@@ -41,6 +41,14 @@ def context_start(length: int, start: int, block_size: int) -> int:
     return length - max(1, block_size // 2)
 
 
+def check_prompts(idx: Tensor, max_new_tokens: int) -> None:
+    """Prompts idx (B, n), n >= 1, to extend by max_new_tokens >= 0 (the loops' shared arguments)."""
+    _checks.check_tensor("idx", idx, ndim=2, shape_doc="(B, n)")
+    if idx.shape[1] == 0:
+        raise ValueError(f"idx must hold at least one prompt token per row, got shape {tuple(idx.shape)}")
+    _checks.check_non_negative_int("max_new_tokens", max_new_tokens)
+
+
 def iter_generate(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   use_cache: bool = True, generator: torch.Generator | None = None,
@@ -49,12 +57,7 @@ def iter_generate(model: IncrementalDecoder, idx: Tensor, max_new_tokens: int, *
 
     With eos_id, a row that has produced it keeps producing it and the loop stops once every row has.
     """
-    _checks.check_tensor("idx", idx, ndim=2, shape_doc="(B, n)")
-    if idx.shape[1] == 0:
-        raise ValueError("idx must hold at least one prompt token per row, got shape "
-                         f"{tuple(idx.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_prompts(idx, max_new_tokens)
     check_sampling(temperature, top_k, top_p)
     block_size = model.block_size
     tokens = idx

@@ -14,12 +14,11 @@ from .. import _checks
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not 0 <= temperature < math.inf):
+    if not (_checks.is_number(temperature) and 0 <= temperature < math.inf):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy) and finite, got {temperature!r}")
     if top_k is not None:
         _checks.check_positive_int("top_k", top_k)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (_checks.is_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 

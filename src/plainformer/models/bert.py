@@ -7,23 +7,24 @@
     masked LM:       logits = LayerNorm(GELU(W_t h_L + b_t)) Eᵀ + b    (decoder tied to E, own bias b)
     classification:  logits = W_c Dropout(pooled) + b_c
 
-Each layer is the foundation's `EncoderLayer` with norm_first=False:
+Each layer is the foundation's `EncoderLayer` with norm_first=False (`bert_layer`):
 x = LN(x + Attn(x, x, x)), x = LN(x + FFN(x)), FFN = GELU(x W_1 + b_1) W_2 + b_2, which is BERT's layer.
 Initialisation follows BERT: N(0, init_std) weights, zero biases, LayerNorm (1, 0).
+The config is checked when it is built; the modules built from it check nothing again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import Config
+from ..config import Config, one_of, positive, positive_int, probability
 from ..constants import IGNORE_INDEX
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
@@ -37,26 +38,25 @@ if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime impor
     from ..data.tokenizers import Tokenizer
 
 
-
 @dataclasses.dataclass
 class BertConfig(Config):
     """Shape and options of a BERT. vocab_size is set from the tokenizer when pretraining."""
 
-    vocab_size: int = 30522
-    max_len: int = 512
-    type_vocab_size: int = 2
-    n_layers: int = 12
-    n_heads: int = 12
-    d_model: int = 768
-    d_ff: int = 3072
-    dropout: float = 0.1
-    attention_dropout: float = 0.1
-    norm_eps: float = 1e-12
-    activation: str = "gelu"
-    backend: str = "auto"
+    vocab_size: int = positive_int(30522)
+    max_len: int = positive_int(512)
+    type_vocab_size: int = positive_int(2)
+    n_layers: int = positive_int(12)
+    n_heads: int = positive_int(12)
+    d_model: int = positive_int(768)
+    d_ff: int = positive_int(3072)
+    dropout: float = probability(0.1)
+    attention_dropout: float = probability(0.1)
+    norm_eps: float = positive(1e-12)
+    activation: str = one_of("gelu", ACTIVATIONS)
+    backend: str = one_of("auto", BACKENDS)
     pad_id: int | None = 0
-    n_labels: int = 2
-    init_std: float = 0.02
+    n_labels: int = positive_int(2)
+    init_std: float = positive(0.02)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # BERT-base (Devlin et al. 2019, section 3): 110M parameters.
@@ -70,22 +70,9 @@ class BertConfig(Config):
     }
 
     def validate(self) -> None:
-        for name in ("vocab_size", "max_len", "type_vocab_size", "n_layers", "n_heads", "d_model",
-                     "d_ff", "n_labels"):
-            _checks.check_positive_int(name, getattr(self, name))
         _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
-        _checks.check_probability("dropout", self.dropout)
-        _checks.check_probability("attention_dropout", self.attention_dropout)
-        _checks.check_choice("activation", self.activation, ACTIVATIONS)
-        _checks.check_choice("backend", self.backend, BACKENDS)
-        for name in ("norm_eps", "init_std"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive float, got {value!r}")
-        if self.pad_id is not None and (isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int)
-                                        or not 0 <= self.pad_id < self.vocab_size):
-            raise ValueError(f"pad_id must be None or an int in [0, vocab_size={self.vocab_size}), "
-                             f"got {self.pad_id!r}")
+        if self.pad_id is not None:
+            _checks.check_index("pad_id", self.pad_id, self.vocab_size, "vocab_size")
 
 
 class BertOutput(NamedTuple):
@@ -101,7 +88,7 @@ class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.word = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
-        self.position = LearnedPositionalEmbedding(config.d_model, config.max_len)
+        self.position = LearnedPositionalEmbedding(config.d_model, config.max_len, validate_args=False)
         self.token_type = nn.Embedding(config.type_vocab_size, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.dropout = nn.Dropout(config.dropout)
@@ -140,9 +127,15 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
 
 
 def _check_config(config: object) -> BertConfig:
-    if not isinstance(config, BertConfig):
-        raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
-    return config
+    _checks.check_type("config", config, BertConfig)
+    return cast(BertConfig, config)
+
+
+def bert_layer(config: BertConfig) -> EncoderLayer:
+    """BERT's layer, as its config says: the post-LN `EncoderLayer` with its own attention dropout."""
+    return EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
+                        attention_dropout=config.attention_dropout, activation=config.activation,
+                        norm_eps=config.norm_eps, backend=config.backend, validate_args=False)
 
 
 class BertModel(SavedModel):
@@ -161,11 +154,7 @@ class BertModel(SavedModel):
         super().__init__()
         self.config = _check_config(config)
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(
-            EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
-                         attention_dropout=config.attention_dropout, activation=config.activation,
-                         norm_first=False, norm_eps=config.norm_eps, backend=config.backend)
-            for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(bert_layer(config) for _ in range(config.n_layers))
         self.pooler = BertPooler(config.d_model)
         self.apply(lambda module: init_bert_weights(module, config.init_std))
 
@@ -190,23 +179,16 @@ class BertModel(SavedModel):
             token_type_ids = torch.zeros_like(input_ids)
         else:
             _checks.check_token_id_tensor("token_type_ids", token_type_ids)
-            _check_same_shape("token_type_ids", token_type_ids, input_ids)
+            _checks.check_same_shape("token_type_ids", token_type_ids, "input_ids", input_ids)
         if attention_mask is None:
             mask = None if config.pad_id is None else input_ids != config.pad_id
         else:
-            _checks.check_tensor("attention_mask", attention_mask, ndim=2, shape_doc="(B, n)")
-            _check_same_shape("attention_mask", attention_mask, input_ids)
+            _checks.check_same_shape("attention_mask", attention_mask, "input_ids", input_ids)
             if attention_mask.is_floating_point():
                 raise TypeError(f"attention_mask must be boolean or 0/1 integers (True = real token), "
                                 f"got dtype {attention_mask.dtype}")
             mask = attention_mask.bool()
         return mask, token_type_ids
-
-
-def _check_same_shape(name: str, x: Tensor, input_ids: Tensor) -> None:
-    if x.shape != input_ids.shape:
-        raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, "
-                         f"got {tuple(x.shape)}")
 
 
 class BertMLMHead(nn.Module):
@@ -252,8 +234,7 @@ class BertForMaskedLM(SavedModel):
                 token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if labels is not None:
-            _checks.check_tensor("labels", labels, ndim=2, shape_doc="(B, n)")
-            _check_same_shape("labels", labels, input_ids)
+            _checks.check_same_shape("labels", labels, "input_ids", input_ids)
         hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state  # (B, n, d)
         embedding = self.bert.embeddings.word.weight
         if labels is None:

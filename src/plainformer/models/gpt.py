@@ -5,13 +5,14 @@
     logits = Norm(h_L) Eᵀ                              output projection tied to E (optional)
     loss = cross_entropy(logits, targets)              next-token prediction
 
-Each block is the pre-LN `EncoderLayer` with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
+Each `Block` is pre-LN with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
 With n_experts > 0 the FFN of every moe_every-th block after the first first_dense_layers is a
 Mixture-of-Experts layer (`nn.moe`), and the training loss adds its balancing terms averaged over
 those layers: loss = CE + aux_loss_coef · mean_l L_aux + z_loss_coef · mean_l L_z (in eval, CE only).
 With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
+The config is checked when it is built; the modules built from it check nothing again.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import Config
+from ..config import Config, greater_than, non_negative, non_negative_int, one_of, positive, positive_int, probability
 from ..constants import IGNORE_INDEX
 from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
-from ..nn.attention import BACKENDS
-from ..nn.blocks import EncoderLayer
+from ..nn.attention import BACKENDS, MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
@@ -53,32 +53,32 @@ POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
 class GPTConfig(Config):
     """Shape and options of a `GPT`. vocab_size is usually set from the tokenizer at training time."""
 
-    vocab_size: int = 65
-    block_size: int = 256
-    n_layers: int = 6
-    n_heads: int = 6
-    n_kv_heads: int | None = None
-    d_model: int = 384
-    d_ff: int = 1536
-    dropout: float = 0.0
+    vocab_size: int = positive_int(65)
+    block_size: int = positive_int(256)
+    n_layers: int = positive_int(6)
+    n_heads: int = positive_int(6)
+    n_kv_heads: int | None = positive_int(None)
+    d_model: int = positive_int(384)
+    d_ff: int = positive_int(1536)
+    dropout: float = probability(0.0)
     bias: bool = False
-    pos_encoding: str = "learned"
-    norm: str = "layernorm"
-    activation: str = "gelu"
+    pos_encoding: str = one_of("learned", POSITION_ENCODINGS)
+    norm: str = one_of("layernorm", NORMS)
+    activation: str = one_of("gelu", ACTIVATIONS)
     tie_weights: bool = True
-    backend: str = "auto"
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
+    backend: str = one_of("auto", BACKENDS)
+    rope_base: float = greater_than(10000.0, 1)
+    norm_eps: float = positive(1e-5)
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
-    n_experts: int = 0
-    top_k: int = 2
-    n_shared_experts: int = 0
-    moe_every: int = 1
-    first_dense_layers: int = 0
-    capacity_factor: float | None = None
-    bias_update_rate: float = 0.0
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
+    n_experts: int = non_negative_int(0)
+    top_k: int = positive_int(2)
+    n_shared_experts: int = non_negative_int(0)
+    moe_every: int = positive_int(1)
+    first_dense_layers: int = non_negative_int(0)
+    capacity_factor: float | None = positive(None)
+    bias_update_rate: float = non_negative(0.0)
+    aux_loss_coef: float = non_negative(0.01)
+    z_loss_coef: float = non_negative(0.001)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
@@ -98,43 +98,16 @@ class GPTConfig(Config):
     }
 
     def validate(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model", "d_ff"):
-            _checks.check_positive_int(name, getattr(self, name))
         _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
         if self.n_kv_heads is not None:
-            _checks.check_positive_int("n_kv_heads", self.n_kv_heads)
             _checks.check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
-        _checks.check_probability("dropout", self.dropout)
-        _checks.check_choice("pos_encoding", self.pos_encoding, POSITION_ENCODINGS)
-        _checks.check_choice("norm", self.norm, NORMS)
-        _checks.check_choice("activation", self.activation, ACTIVATIONS)
-        _checks.check_choice("backend", self.backend, BACKENDS)
-        if not (isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool)
-                and self.norm_eps > 0):
-            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
-        if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
+        if self.pos_encoding == "rope" and self.head_dim % 2:
             raise ValueError(f"pos_encoding='rope' needs an even head dimension d_model/n_heads, "
                              f"got {self.d_model}/{self.n_heads}")
         if self.pos_encoding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
-        self._validate_moe()
-
-    def _validate_moe(self) -> None:
-        for name in ("n_experts", "n_shared_experts", "first_dense_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        _checks.check_positive_int("top_k", self.top_k)
-        _checks.check_positive_int("moe_every", self.moe_every)
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"top_k must be at most n_experts={self.n_experts}, got {self.top_k}")
-        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
-                self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
-            raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
@@ -146,6 +119,56 @@ class GPTConfig(Config):
         return self.d_model // self.n_heads
 
 
+class Block(nn.Module):
+    """One GPT block, built from the GPTConfig it belongs to (pre-LN, as GPT-2 and nanoGPT):
+
+        x = x + Dropout(Attn(LN_1(x)))     causal multi-head self-attention (rope rotates q and k)
+        x = x + Dropout(FFN(LN_2(x)))      a dense FFN, or MoE where config.is_moe_layer(layer_index)
+
+    Submodules, named as checkpoints and the Hugging Face weight maps (hf/gpt.py) know them:
+    `self_attn`, `ff`, `norm1`, `norm2`. Nothing is checked here: the config was, when it was built.
+    """
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__()
+        c = config
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
+                                            dropout=c.dropout, backend=c.backend, validate_args=False)
+        self.ff = _feed_forward(c, layer_index)
+        self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
+        self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
+        self.dropout1, self.dropout2 = nn.Dropout(c.dropout), nn.Dropout(c.dropout)
+
+    def forward(self, x: Tensor, mask: AttentionMask | None = None, *, rope: RotaryEmbedding | None = None,
+                kv_cache: KVCache | None = None) -> Tensor:
+        """x (B, n, d_model) -> (B, n, d_model). mask: the batch's causal `AttentionMask`, which `GPT`
+        builds once for all its blocks (default: built here). kv_cache: x holds the positions after
+        the cached ones."""
+        if mask is None:
+            cached = 0 if kv_cache is None else kv_cache.length
+            mask = AttentionMask.build(x.shape[1], cached + x.shape[1], is_causal=True, cached=cached,
+                                       device=x.device)
+        h = self.norm1(x)
+        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache))
+        return x + self.dropout2(self.ff(self.norm2(x)))
+
+    def residual_projections(self) -> list[Tensor]:
+        """The weights that write into the residual stream: W_o, and the FFN's W_2 (every expert's)."""
+        if isinstance(self.ff, MoEFeedForward):
+            shared = [] if self.ff.shared is None else [self.ff.shared.W_2.weight]
+            return [self.self_attn.W_o.weight, self.ff.W_2, *shared]
+        return [self.self_attn.W_o.weight, cast(FeedForward, self.ff).W_2.weight]
+
+
+def _feed_forward(config: GPTConfig, layer_index: int) -> nn.Module:
+    c = config
+    if c.is_moe_layer(layer_index):
+        return MoEFeedForward(c.d_model, c.d_ff, c.n_experts, c.top_k, n_shared_experts=c.n_shared_experts,
+                              capacity_factor=c.capacity_factor, bias_update_rate=c.bias_update_rate,
+                              dropout=c.dropout, validate_args=False)
+    return FeedForward(c.d_model, c.d_ff, c.activation, c.dropout, bias=c.bias, validate_args=False)
+
+
 class GPT(SavedModel):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
@@ -155,49 +178,32 @@ class GPT(SavedModel):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        _checks.check_type("config", config, GPTConfig)
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position = self._make_position_encoding(config)
-        self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
+        self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, validate_args=False)
                      if config.pos_encoding == "rope" else None)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
-                         activation=config.activation, norm_first=True, n_kv_heads=config.n_kv_heads,
-                         norm=config.norm, norm_eps=config.norm_eps, bias=config.bias,
-                         backend=config.backend,
-                         ff=self._make_moe(config) if config.is_moe_layer(layer) else None)
-            for layer in range(config.n_layers))
-        self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias,
+                              validate_args=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in cast(Iterable[EncoderLayer], self.blocks):
-            nn.init.normal_(block.self_attn.W_o.weight, std=residual_std)
-            if isinstance(block.ff, MoEFeedForward):
-                nn.init.normal_(block.ff.W_2, std=residual_std)
-                if block.ff.shared is not None:
-                    nn.init.normal_(block.ff.shared.W_2.weight, std=residual_std)
-            else:
-                nn.init.normal_(cast(FeedForward, block.ff).W_2.weight, std=residual_std)
-
-    @staticmethod
-    def _make_moe(config: GPTConfig) -> MoEFeedForward:
-        return MoEFeedForward(config.d_model, config.d_ff, config.n_experts, config.top_k,
-                              n_shared_experts=config.n_shared_experts, capacity_factor=config.capacity_factor,
-                              bias_update_rate=config.bias_update_rate, dropout=config.dropout)
+        for block in cast(Iterable[Block], self.blocks):
+            for weight in block.residual_projections():
+                nn.init.normal_(weight, std=residual_std)
 
     @staticmethod
     def _make_position_encoding(config: GPTConfig) -> nn.Module | None:
         if config.pos_encoding == "learned":
-            return LearnedPositionalEmbedding(config.d_model, config.block_size)
+            return LearnedPositionalEmbedding(config.d_model, config.block_size, validate_args=False)
         if config.pos_encoding == "sinusoidal":
-            return SinusoidalPositionalEncoding(config.d_model, config.block_size)
+            return SinusoidalPositionalEncoding(config.d_model, config.block_size, validate_args=False)
         return None
 
     @staticmethod
@@ -232,14 +238,8 @@ class GPT(SavedModel):
         targets (B, n): the token that follows each position; IGNORE_INDEX (-100) marks positions to ignore.
         kv_caches (one per block): decode incrementally; idx then holds the new positions only.
         """
-        if targets is not None:
-            _checks.check_tensor("targets", targets, ndim=2, shape_doc="(B, n)")
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, "
-                                 f"got {tuple(targets.shape)}")
-            if targets.dtype != torch.long:
-                raise TypeError(f"targets must hold token ids as torch.long, got {targets.dtype}")
-        logits = self.lm_head(self.norm(self.hidden_states(idx, kv_caches=kv_caches)))  # (B, n, vocab_size)
+        offset = self._check_inputs(idx, targets, kv_caches)
+        logits = self.lm_head(self.norm(self._hidden_states(idx, offset, kv_caches)))  # (B, n, vocab_size)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -250,7 +250,9 @@ class GPT(SavedModel):
 
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> Tensor:
         """idx (B, n) -> h_L (B, n, d_model), the last block's output before the final norm."""
-        offset = self._check_positions(idx, kv_caches)
+        return self._hidden_states(idx, self._check_inputs(idx, None, kv_caches), kv_caches)
+
+    def _hidden_states(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None) -> Tensor:
         n = idx.shape[1]
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
         if self.position is not None:
@@ -262,27 +264,29 @@ class GPT(SavedModel):
             x = block(x, mask, rope=self.rope, kv_cache=cache)
         return x
 
-    def _check_positions(self, idx: Tensor, kv_caches: list[KVCache] | None) -> int:
-        """Validate idx's shape and dtype and the caches (no token id is read: see
-        `_checks.lookup_token_ids`); return the position of idx[:, 0]."""
+    def _check_inputs(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None) -> int:
+        """The batch's shapes and dtypes and the caches' count and room, read from metadata only (a bad
+        token id is explained by `_checks.lookup_token_ids`): no device sync. Returns the position of
+        idx[:, 0]."""
         _checks.check_token_id_tensor("idx", idx)
+        if targets is not None:
+            _checks.check_dtype("targets", _checks.check_same_shape("targets", targets, "idx", idx),
+                                torch.long, "token ids as torch.long")
+        if kv_caches is not None:
+            _checks.check_one_per_layer("kv_caches", kv_caches, self.config.n_layers, "cache")
         offset = 0 if kv_caches is None else kv_caches[0].length
-        if offset + idx.shape[1] > self.config.block_size:
-            raise ValueError(f"idx has {idx.shape[1]} positions after {offset} cached ones, more than "
-                             f"block_size={self.config.block_size}")
-        if kv_caches is not None and len(kv_caches) != self.config.n_layers:
-            raise ValueError(f"kv_caches must hold one cache per layer ({self.config.n_layers}), "
-                             f"got {len(kv_caches)}")
+        _checks.check_context("idx", idx.shape[1], offset, self.config.block_size)
         return offset
 
     # ------------------------------------------------------------------ generation
 
     def new_kv_caches(self, batch_size: int) -> list[KVCache]:
         """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block."""
+        _checks.check_positive_int("batch_size", batch_size)
         parameter = self.token_embedding.weight
         n_kv_heads = self.config.n_kv_heads or self.config.n_heads
         return [KVCache(batch_size, n_kv_heads, self.config.block_size, self.config.head_dim,
-                        dtype=parameter.dtype, device=parameter.device)
+                        dtype=parameter.dtype, device=parameter.device, validate_args=False)
                 for _ in range(self.config.n_layers)]
 
     def decoder(self) -> GPTDecoder:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
-from ..config import Config
+from ..config import Config, checked, one_of, positive_int, probability
 from ..generation.adapters import SourceBoundDecoder
 from ..generation.beam_search import beam_search
 from ..generation.decoding import generate as generate_tokens
@@ -37,6 +37,7 @@ from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
+from ..nn.positional import check_even_d_model
 from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
@@ -50,26 +51,26 @@ class TransformerConfig(Config):
     """Shape and options of a `Transformer`. The vocabulary sizes and special ids usually come from the
     tokenizer at training time; n_encoder_layers / n_decoder_layers default to n_layers."""
 
-    src_vocab_size: int = 32000
-    tgt_vocab_size: int = 32000
-    n_layers: int = 6
-    n_encoder_layers: int | None = None
-    n_decoder_layers: int | None = None
-    n_heads: int = 8
-    n_kv_heads: int | None = None
-    d_model: int = 512
-    d_ff: int = 2048
-    dropout: float = 0.1
-    activation: str = "relu"
+    src_vocab_size: int = positive_int(32000)
+    tgt_vocab_size: int = positive_int(32000)
+    n_layers: int = positive_int(6)
+    n_encoder_layers: int | None = positive_int(None)
+    n_decoder_layers: int | None = positive_int(None)
+    n_heads: int = positive_int(8)
+    n_kv_heads: int | None = positive_int(None)
+    d_model: int = checked(512, _checks.check_positive_int, check_even_d_model)  # sinusoidal positions
+    d_ff: int = positive_int(2048)
+    dropout: float = probability(0.1)
+    activation: str = one_of("relu", ACTIVATIONS)
     norm_first: bool = False
     share_embeddings: bool = True
     tie_weights: bool = True
-    max_len: int = 256
-    label_smoothing: float = 0.1
+    max_len: int = positive_int(256)
+    label_smoothing: float = probability(0.1)
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
-    backend: str = "auto"
+    backend: str = one_of("auto", BACKENDS)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # Table 3 of the paper: the base model (65M parameters) and the big one (213M).
@@ -84,31 +85,15 @@ class TransformerConfig(Config):
     }
 
     def validate(self) -> None:
-        for name in ("src_vocab_size", "tgt_vocab_size", "n_layers", "n_heads", "d_model", "d_ff",
-                     "max_len"):
-            _checks.check_positive_int(name, getattr(self, name))
-        for name in ("n_encoder_layers", "n_decoder_layers", "n_kv_heads"):
-            if getattr(self, name) is not None:
-                _checks.check_positive_int(name, getattr(self, name))
         _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
         if self.n_kv_heads is not None:
             _checks.check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
-        if self.d_model % 2:
-            raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
-        _checks.check_probability("dropout", self.dropout)
-        _checks.check_probability("label_smoothing", self.label_smoothing)
-        _checks.check_choice("activation", self.activation, ACTIVATIONS)
-        _checks.check_choice("backend", self.backend, BACKENDS)
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
                              f"{self.src_vocab_size} and tgt_vocab_size={self.tgt_vocab_size}")
+        vocab_size = min(self.src_vocab_size, self.tgt_vocab_size)
         for name in ("pad_id", "bos_id", "eos_id"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
-                raise ValueError(f"{name} must be a token id in [0, {min(self.src_vocab_size, self.tgt_vocab_size)}), "
-                                 f"got {value}")
+            _checks.check_index(name, getattr(self, name), vocab_size, "vocab_size")
         if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
             raise ValueError(f"pad_id, bos_id and eos_id must differ, got {self.pad_id}, {self.bos_id}, "
                              f"{self.eos_id}")
@@ -132,6 +117,14 @@ def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, smoothing: flo
                            ignore_index=ignore_index, label_smoothing=smoothing)
 
 
+def _stack_options(config: TransformerConfig) -> dict[str, Any]:
+    """What the encoder and the decoder stack share, as the config says (checked there: not again)."""
+    return dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff, max_len=config.max_len,
+                pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
+                norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend,
+                validate_args=False)
+
+
 class Transformer(SavedModel):
     """Encoder-decoder Transformer. forward(src (B, m), tgt_in (B, n), tgt_out (B, n) | None)
     -> (logits (B, n, tgt_vocab_size), label-smoothed loss | None)."""
@@ -142,16 +135,11 @@ class Transformer(SavedModel):
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        if not isinstance(config, TransformerConfig):
-            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        _checks.check_type("config", config, TransformerConfig)
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
-        shape: dict[str, Any] = dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
-                     max_len=config.max_len)
-        options: dict[str, Any] = dict(pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
-                       norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend)
-        self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **shape, **options)
-        self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **shape, **options)
+        self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **_stack_options(config))
+        self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **_stack_options(config))
         if config.share_embeddings:
             self.decoder.embedding = self.encoder.embedding
         self.output = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
@@ -178,9 +166,8 @@ class Transformer(SavedModel):
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, m) -> (memory (B, m, d_model), source padding mask (B, m), True = real token)."""
-        _checks.check_token_id_tensor("src", src)
-        mask = src != self.config.pad_id
-        return self.encoder(src, key_padding_mask=mask), mask
+        memory = self.encoder(src)  # checks src; its keys are masked where src == pad_id
+        return memory, src != self.config.pad_id
 
     def decode(self, tgt: Tensor, memory: Tensor, memory_key_padding_mask: Tensor | None = None, *,
                tgt_key_padding_mask: Tensor | None = None,
@@ -194,19 +181,15 @@ class Transformer(SavedModel):
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """src (B, m) source ids, tgt_in (B, n) = BOS y_1 .. y_{n-1}, tgt_out (B, n) = y_1 .. y_n
         (EOS last); pad_id pads all three. Returns logits (B, n, V) and the label-smoothed loss."""
-        _checks.check_tensor("src", src, ndim=2, shape_doc="(B, m)")
+        memory, src_mask = self.encode(src)  # src checked there, tgt_in by the decoder
         _checks.check_tensor("tgt_in", tgt_in, ndim=2, shape_doc="(B, n)")
         if tgt_in.shape[0] != src.shape[0]:
             raise ValueError(f"src and tgt_in must have the same batch size, got src {tuple(src.shape)} "
                              f"and tgt_in {tuple(tgt_in.shape)}")
-        memory, src_mask = self.encode(src)
         logits = self.decode(tgt_in, memory, src_mask, tgt_key_padding_mask=tgt_in != self.config.pad_id)
         if tgt_out is None:
             return logits, None
-        _checks.check_tensor("tgt_out", tgt_out, ndim=2, shape_doc="(B, n)")
-        if tgt_out.shape != tgt_in.shape:
-            raise ValueError(f"tgt_out must have the shape of tgt_in {tuple(tgt_in.shape)}, "
-                             f"got {tuple(tgt_out.shape)}")
+        _checks.check_same_shape("tgt_out", tgt_out, "tgt_in", tgt_in)
         loss = label_smoothed_cross_entropy(logits, tgt_out, self.config.label_smoothing, self.config.pad_id)
         return logits, loss
 

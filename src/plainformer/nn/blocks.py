@@ -166,7 +166,7 @@ class TokenStack(nn.Module):
                 _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
             check_layer_args(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
                              n_kv_heads=n_kv_heads, norm="layernorm", attention_dropout=None, backend=backend)
-            check_even_d_model(d_model)
+            check_even_d_model("d_model", d_model)
         self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len, validate_args=False)

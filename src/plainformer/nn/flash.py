@@ -117,11 +117,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_
         _checks.check_key_padding_mask("key_padding_mask", key_padding_mask, batch, k.shape[2], q.device)
     if scale is None:
         return 1.0 / math.sqrt(dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    return _checks.check_positive_number("scale", scale)
 
 
 def _triton_function(q: Tensor, v: Tensor) -> Callable[..., tuple[Tensor, Tensor]] | None:

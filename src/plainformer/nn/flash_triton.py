@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import _checks
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
@@ -177,7 +179,7 @@ def _dq_kernel(Q, K, V, DO, L2, D, DQ, PAD, n, m, H, G, d, dv, qk_scale, scale,
 def _check_block(name: str, size: int | None, default: int) -> int:
     if size is None:
         return default
-    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size & (size - 1):
+    if not _checks.is_int(size) or size < 16 or size & (size - 1):
         raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {size!r}")
     return size
 

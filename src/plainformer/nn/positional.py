@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from .. import _checks
 
 
-def check_even_d_model(d_model: int) -> None:
-    """Sinusoids come in (sin, cos) pairs: d_model must be even."""
+def check_even_d_model(name: str, d_model: int) -> None:
+    """Sinusoids come in (sin, cos) pairs: d_model must be even (a config's field check, too)."""
     if d_model % 2:
-        raise ValueError(f"d_model must be even for sinusoidal positional encoding, got {d_model}")
+        raise ValueError(f"{name} must be even for sinusoidal positional encoding, got {d_model}")
 
 
 def _frequencies(d_model: int) -> Tensor:
@@ -33,7 +33,7 @@ def _frequencies(d_model: int) -> Tensor:
 
 def sinusoidal_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The (max_len, d_model) table PE, computed in float64 and returned in `dtype`."""
-    check_even_d_model(d_model)
+    check_even_d_model("d_model", d_model)
     return _table(max_len, d_model, dtype)
 
 
@@ -48,7 +48,7 @@ def _table(max_len: int, d_model: int, dtype: torch.dtype) -> Tensor:
 
 def relative_shift_matrix(k: int, d_model: int) -> Tensor:
     """M_k (d_model, d_model) in float64, block-diagonal rotations with PE(pos + k) = M_k · PE(pos)."""
-    check_even_d_model(d_model)
+    check_even_d_model("d_model", d_model)
     frequency = _frequencies(d_model)
     cos, sin = torch.cos(k * frequency), torch.sin(k * frequency)
     matrix = torch.zeros(d_model, d_model, dtype=torch.float64)
@@ -74,7 +74,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         super().__init__()
         if validate_args:
             _check_sizes(d_model, max_len)
-            check_even_d_model(d_model)
+            check_even_d_model("d_model", d_model)
         self.d_model, self.max_len = d_model, max_len
         self.register_buffer("pe", _table(max_len, d_model, torch.float32), persistent=False)
 

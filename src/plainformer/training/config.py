@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .. import _checks
-from ..config import Config
+from ..config import Config, non_negative, non_negative_int, one_of, positive, positive_int, probability
 
 SCHEDULES = ("cosine", "constant", "inverse_sqrt")
 
@@ -19,25 +17,6 @@ DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")
 
 PARALLEL = ("auto", "ddp", "fsdp", "none")  # see training/distributed.py
-
-
-def _check_non_negative_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _check_number(name: str, value: object, *, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    if positive and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    if not positive and not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
 
 
 @dataclasses.dataclass
@@ -56,33 +35,33 @@ class TrainConfig(Config):
     AdamW (training/optim.py). `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast (on a CPU:
     for a model at least 128 wide), float32 elsewhere (training/precision.py)."""
 
-    max_steps: int = 2000
-    batch_size: int = 12
-    grad_accum_steps: int = 1
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    decay_steps: int | None = None
-    schedule_d_model: int | None = None
-    weight_decay: float = 0.1
-    optimizer: str = "adamw"
-    muon_lr: float = 0.02
-    beta1: float = 0.9
-    beta2: float = 0.99
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_batches: int = 20
-    eval_batch_size: int | None = None
-    log_interval: int = 10
-    save_interval: int = 250
-    dtype: str = "auto"
-    seed: int = 1337
-    max_time: float | None = None
+    max_steps: int = positive_int(2000)
+    batch_size: int = positive_int(12)
+    grad_accum_steps: int = positive_int(1)
+    lr: float = positive(1e-3)
+    min_lr: float = non_negative(1e-4)
+    warmup_steps: int = non_negative_int(100)
+    schedule: str = one_of("cosine", SCHEDULES)
+    decay_steps: int | None = positive_int(None)
+    schedule_d_model: int | None = positive_int(None)
+    weight_decay: float = non_negative(0.1)
+    optimizer: str = one_of("adamw", OPTIMIZERS)
+    muon_lr: float = positive(0.02)
+    beta1: float = probability(0.9)
+    beta2: float = probability(0.99)
+    eps: float = positive(1e-8)
+    grad_clip: float = non_negative(1.0)
+    eval_interval: int = non_negative_int(250)
+    eval_batches: int = positive_int(20)
+    eval_batch_size: int | None = positive_int(None)
+    log_interval: int = positive_int(10)
+    save_interval: int = non_negative_int(250)
+    dtype: str = one_of("auto", DTYPES)
+    seed: int = non_negative_int(1337)
+    max_time: float | None = positive(None)
     fit_to_time: bool = False
     compile: bool = False
-    parallel: str = "auto"
+    parallel: str = one_of("auto", PARALLEL)
     tensorboard: bool = False
 
     # Optimizer recipes shared by several training recipes; the named recipes of every family
@@ -95,29 +74,6 @@ class TrainConfig(Config):
     }
 
     def validate(self) -> None:
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_interval"):
-            _checks.check_positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "eval_interval", "save_interval", "seed"):
-            _check_non_negative_int(name, getattr(self, name))
-        for name in ("decay_steps", "schedule_d_model", "eval_batch_size"):
-            if getattr(self, name) is not None:
-                _checks.check_positive_int(name, getattr(self, name))
-        _check_number("lr", self.lr, positive=True)
-        _check_number("eps", self.eps, positive=True)
-        _check_number("muon_lr", self.muon_lr, positive=True)
-        for name in ("min_lr", "weight_decay", "grad_clip"):
-            _check_number(name, getattr(self, name), positive=False)
-        _checks.check_probability("beta1", self.beta1)
-        _checks.check_probability("beta2", self.beta2)
-        _checks.check_choice("schedule", self.schedule, SCHEDULES)
-        _checks.check_choice("dtype", self.dtype, DTYPES)
-        _checks.check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _checks.check_choice("parallel", self.parallel, PARALLEL)
-        if self.max_time is not None:
-            _check_number("max_time", self.max_time, positive=True)
-        for name in ("compile", "tensorboard", "fit_to_time"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.fit_to_time and self.max_time is None:
             raise ValueError("fit_to_time needs max_time (the seconds to fit the steps into), got None")
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:

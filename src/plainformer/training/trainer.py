@@ -15,9 +15,7 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,11 +28,11 @@ from tqdm import tqdm
 
 from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
-from ..files.atomic import atomic_path
 from ..files.run_lock import run_lock
 from ..nn.attention import check_trainable
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
+from .bookkeeping import InterruptRequest, LogWindow, Stopwatch, keep_metrics_until
 from .config import TrainConfig
 from .distributed import Distributed, process_group
 from .moe_stats import MoEStats, plot_expert_load
@@ -253,14 +251,14 @@ class Trainer:
             print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
             if self._dtype_warning is not None:
                 print(self._dtype_warning, file=sys.stderr, flush=True)
-            _keep_metrics_until(self.metrics_path, self.step)
+            keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
-        watch, window = _Stopwatch(self.device), _LogWindow(self.device, self._loss_dtype, **self._unlogged)
+        watch, window = Stopwatch(self.device), LogWindow(self.device, self._loss_dtype, **self._unlogged)
         self._window = window
         stopped_by, grad_norm = "max_steps", None
         log_path = self.metrics_path if self.dist.is_main else os.devnull
-        with _InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
+        with InterruptRequest() as interrupt, open(log_path, "a") as self._log, \
                 tensorboard_log(self.out_dir, cfg.tensorboard and self.dist.is_main) as self._tensorboard, \
                 tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
                      file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
@@ -333,7 +331,7 @@ class Trainer:
         self._log.flush()
         self._tensorboard(self.step, values)
 
-    def _log_train(self, window: _LogWindow, train_seconds: float, grad_norm: Tensor | None,
+    def _log_train(self, window: LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
         self.train_loss, tokens_per_s = window.flush(train_seconds, self.dist.mean)
         self._last_is_current = False
@@ -371,111 +369,3 @@ class Trainer:
             self.out_dir / name, model=model_state, family=self.family, model_config=self.model_config,
             train_config=self.config.to_dict(), tokenizer=self.tokenizer, optimizer=optimizer_state,
             trainer_state=self._state().to_dict(), rng_states=rng_states)
-
-
-class _InterruptRequest:
-    """While active, the first SIGINT only sets `requested`; a second one raises KeyboardInterrupt.
-    Nothing is printed from the handler: writing to stderr there can re-enter tqdm's write."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> _InterruptRequest:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            previous = self._previous if self._previous is not None else signal.default_int_handler
-            signal.signal(signal.SIGINT, previous)
-
-
-class _Stopwatch:
-    """Seconds spent in training steps, leaving out evaluation, logging and checkpointing. It runs
-    across consecutive steps and stops (on CUDA: synchronises) only before something else happens,
-    so the device is not drained after every step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.total = 0.0
-        self._since: float | None = None
-
-    def start(self) -> None:
-        if self._since is None:
-            self._since = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._since is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.total += time.perf_counter() - self._since
-            self._since = None
-
-
-class _LogWindow:
-    """Loss and input tokens since the last log line. The loss stays a device tensor until it is
-    logged, so the hot loop never waits on `.item()`."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, loss_sum: float = 0.0, steps: int = 0):
-        self.loss = torch.tensor(loss_sum, dtype=dtype, device=device)
-        self.steps, self.tokens, self.total_tokens = steps, 0, 0
-        self._mark = 0.0  # training seconds at the last flush
-        self._after_first: tuple[int, float] | None = None  # (total_tokens, seconds) after step 1
-
-    def add(self, loss: Tensor, tokens: int, train_seconds: float) -> None:
-        self.loss += loss
-        self.steps += 1
-        self.tokens += tokens
-        self.total_tokens += tokens
-        if self._after_first is None:
-            self._after_first = (self.total_tokens, train_seconds)
-
-    def state(self) -> dict[str, Any]:
-        """What a resumed run needs to log the same mean loss: the unlogged steps' loss sum (float32
-        or float64, exact in JSON) and their number."""
-        return {"loss_sum": self.loss.item(), "steps": self.steps}
-
-    def throughput(self, train_seconds: float) -> float:
-        """Input tokens per training second over the session, leaving out the first step (it pays
-        for torch.compile, lazy initialisation and allocator warm-up) when there are others."""
-        if self._after_first is None:
-            return 0.0
-        first_tokens, first_seconds = self._after_first
-        if self.total_tokens > first_tokens and train_seconds > first_seconds:
-            return (self.total_tokens - first_tokens) / (train_seconds - first_seconds)
-        return self.total_tokens / max(train_seconds, 1e-9)
-
-    def flush(self, train_seconds: float, reduce=lambda loss: loss) -> tuple[float, float]:
-        """-> (mean loss per step, `reduce`d: over ranks; input tokens per training second) since
-        the last flush."""
-        mean_loss = reduce(self.loss / self.steps).item()
-        tokens_per_s = self.tokens / max(train_seconds - self._mark, 1e-9)
-        self.loss.zero_()
-        self.steps = self.tokens = 0
-        self._mark = train_seconds
-        return mean_loss, tokens_per_s
-
-
-def _keep_metrics_until(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` (a resumed run logs them again; a fresh run, step 0,
-    starts an empty file), and lines that are not a record of a step (the half-written last line of
-    a killed run). Rewritten atomically."""
-    kept = []
-    if step > 0 and path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                record = json.loads(line)
-                logged = record.get("step") if isinstance(record, dict) else None
-                if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
-                    kept.append(line + "\n")
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(kept))
