@@ -3,10 +3,14 @@ names the argument and what was received (its value, shape or dtype)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import plainformer as pf
+from plainformer import _checks
+from plainformer.config import Config, one_of, positive_int, probability
 from plainformer.nn.normalization import make_norm
 
 
@@ -186,3 +190,109 @@ def test_bad_input_is_refused_with_a_message_naming_argument_and_value(call, err
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from {message!r}"
 
+
+
+# ----------------------------------------------------------------------------- declared field checks
+
+@dataclasses.dataclass
+class _ToyConfig(Config):
+    width: int = positive_int(4)
+    depth: int | None = positive_int(None)
+    rate: float = probability(0.0)
+    kind: str = one_of("a", ("a", "b"))
+    low: int = 1
+    high: int = 2
+
+    def validate(self) -> None:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+
+
+@pytest.mark.parametrize("values, error, message", [
+    (dict(width=0), ValueError, "width must be a positive integer, got 0"),
+    (dict(width="4"), TypeError, "width must be an int, got str '4'"),  # the type first, then the constraint
+    (dict(depth=-1), ValueError, "depth must be a positive integer, got -1"),
+    (dict(rate=1.0), ValueError, r"rate must be in \[0, 1\), got 1.0"),
+    (dict(kind="c"), ValueError, "kind must be one of 'a', 'b'; got 'c'"),
+    (dict(low=3), ValueError, r"low \(3\) must be below high \(2\)"),  # a rule across fields: validate()
+])
+def test_a_config_checks_the_constraint_declared_with_each_field(values, error, message):
+    with pytest.raises(error, match=message):
+        _ToyConfig(**values)
+    assert _ToyConfig(depth=None).depth is None  # None, where allowed, skips the constraint
+
+
+def test_a_declared_field_keeps_its_default_and_round_trips():
+    config = _ToyConfig(width=8)
+    assert (_ToyConfig().width, config.replace(rate=0.5).width) == (4, 8)
+    assert _ToyConfig.from_json(config.to_json()) == config
+
+
+# ----------------------------------------------------------------------------- checked once
+
+@pytest.fixture
+def outer_checks(monkeypatch):
+    """(check function, the name it checks) of every outermost `_checks.check_*` call made while the
+    test runs (a check that another check calls is part of that one)."""
+    calls: list[tuple[str, object]] = []
+    depth = [0]
+
+    def recording(name: str, check):
+        def recorded(*args, **kwargs):
+            if depth[0] == 0:
+                calls.append((name, args[0] if args else None))
+            depth[0] += 1
+            try:
+                return check(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return recorded
+
+    for name in dir(_checks):
+        if name.startswith("check_"):
+            monkeypatch.setattr(_checks, name, recording(name, getattr(_checks, name)))
+    return calls
+
+
+GPT_SHAPE = dict(vocab_size=10, block_size=8, n_layers=2, n_heads=2, d_model=8, d_ff=16)
+MODELS = [
+    ("gpt", pf.GPT, lambda: pf.GPTConfig(**GPT_SHAPE)),
+    ("gpt moe rope", pf.GPT, lambda: pf.GPTConfig(**GPT_SHAPE, pos_encoding="rope", n_experts=2, top_k=1,
+                                                  n_shared_experts=1)),
+    ("gpt sinusoidal rmsnorm", pf.GPT, lambda: pf.GPTConfig(**GPT_SHAPE, pos_encoding="sinusoidal", norm="rmsnorm")),
+    ("bert", pf.BertModel, lambda: pf.BertConfig(vocab_size=10, max_len=8, n_layers=1, n_heads=2, d_model=8,
+                                                 d_ff=16)),
+    ("transformer", pf.Transformer, lambda: pf.TransformerConfig(src_vocab_size=10, tgt_vocab_size=10,
+                                                                 n_layers=1, n_heads=2, d_model=8, d_ff=16,
+                                                                 max_len=8)),
+]
+
+
+@pytest.mark.parametrize("model, config", [m[1:] for m in MODELS], ids=[m[0] for m in MODELS])
+def test_a_model_built_from_its_validated_config_checks_no_field_again(model, config, outer_checks):
+    config = config()
+    outer_checks.clear()
+    model(config)
+    assert outer_checks == [("check_type", "config")]
+
+
+LAYERS = [
+    ("encoder layer", lambda: pf.EncoderLayer(8, 2, 16, attention_dropout=0.0, norm="rmsnorm")),
+    ("decoder layer", lambda: pf.DecoderLayer(8, 2, 16, n_kv_heads=1)),
+    ("encoder", lambda: pf.Encoder(10, 8, 2, 16, 2, max_len=6, pad_id=0)),
+    ("decoder", lambda: pf.Decoder(10, 8, 2, 16, 2, max_len=6)),
+    ("moe", lambda: pf.MoEFeedForward(8, 16, 4, 2, n_shared_experts=1, capacity_factor=1.0)),
+]
+
+
+@pytest.mark.parametrize("build", [layer[1] for layer in LAYERS], ids=[layer[0] for layer in LAYERS])
+def test_a_layer_built_on_its_own_checks_each_argument_once(build, outer_checks):
+    build()
+    assert outer_checks and len(outer_checks) == len(set(outer_checks)), outer_checks
+
+
+def test_a_gpt_forward_checks_each_input_once(outer_checks):
+    model = pf.GPT(pf.GPTConfig(**GPT_SHAPE, n_experts=2, top_k=1)).train()  # MoE: its losses too
+    outer_checks.clear()
+    model(_ids(2, 5), _ids(2, 5), kv_caches=model.new_kv_caches(2))
+    assert outer_checks and len(outer_checks) == len(set(outer_checks)), outer_checks

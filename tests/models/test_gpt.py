@@ -88,7 +88,7 @@ def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
     ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
-    ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"),
+    ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"), ("rope_base", 1.0),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -174,6 +174,36 @@ def test_gpt2_init_scales_residual_projections_by_one_over_sqrt_two_n_layers():
         assert abs(mean) < 5 * std / math.sqrt(count)
     biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
     assert biases and all(bool((b == 0).all()) for b in biases)
+
+
+# ----------------------------------------------------------------------------- the block
+
+def test_a_block_is_built_from_its_config_with_the_checkpoint_names():
+    config = pf.GPTConfig(**TINY, n_experts=4, first_dense_layers=1, norm="rmsnorm")
+    dense, moe = pf.Block(config, 0), pf.Block(config, 1)
+    assert (type(dense.ff).__name__, type(moe.ff).__name__) == ("FeedForward", "MoEFeedForward")
+    assert {name.split(".")[0] for name in dense.state_dict()} == {"self_attn", "ff", "norm1", "norm2"}
+    assert all(isinstance(block, pf.Block) for block in pf.GPT(config).blocks)
+
+
+def test_a_block_called_alone_is_causal_and_equals_the_models_call():
+    model = _gpt()
+    block = model.blocks[0]
+    x = torch.randn(2, 6, TINY["d_model"])
+    mask = pf.nn.AttentionMask.build(6, 6, is_causal=True)
+    with torch.no_grad():
+        alone, given = block(x), block(x, mask)
+        changed_last = block(torch.cat([x[:, :-1], torch.randn(2, 1, TINY["d_model"])], dim=1))
+    assert torch.equal(alone, given)
+    assert torch.equal(changed_last[:, :-1], alone[:, :-1])  # position i sees positions <= i only
+
+
+def test_the_encoder_layer_names_still_import():
+    from plainformer.nn.blocks import DecoderLayer, EncoderLayer
+
+    assert pf.EncoderLayer is EncoderLayer is pf.nn.EncoderLayer
+    assert pf.DecoderLayer is DecoderLayer is pf.nn.DecoderLayer
+    assert pf.Block is pf.models.gpt.Block
 
 
 # ----------------------------------------------------------------------------- KV-cached decoding

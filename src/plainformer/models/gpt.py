@@ -161,6 +161,8 @@ class Block(nn.Module):
 
 
 def _feed_forward(config: GPTConfig, layer_index: int) -> nn.Module:
+    """Block `layer_index`'s FFN: on the config's MoE layers its SwiGLU experts (nn/moe.py, no bias,
+    whatever `activation` says), elsewhere the dense FFN of `activation`."""
     c = config
     if c.is_moe_layer(layer_index):
         return MoEFeedForward(c.d_model, c.d_ff, c.n_experts, c.top_k, n_shared_experts=c.n_shared_experts,

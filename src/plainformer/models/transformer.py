@@ -118,7 +118,8 @@ def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, smoothing: flo
 
 
 def _stack_options(config: TransformerConfig) -> dict[str, Any]:
-    """What the encoder and the decoder stack share, as the config says (checked there: not again)."""
+    """What the encoder and the decoder stack share, as the config says (it checked them: the stacks
+    do not check them again)."""
     return dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff, max_len=config.max_len,
                 pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
                 norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend,

@@ -50,6 +50,11 @@ def load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
     _checks.check_positive_int("top_k", top_k)
     if top_k > n_experts:
         raise ValueError(f"top_k must be at most the number of experts {n_experts}, got {top_k}")
+    return _load_balancing_loss(router_logits, top_k)
+
+
+def _load_balancing_loss(router_logits: Tensor, top_k: int) -> Tensor:
+    n_experts = router_logits.shape[1]
     probs = torch.softmax(at_least_float32(router_logits), dim=-1)
     chosen = probs.topk(top_k, dim=-1).indices  # (T, K)
     f = expert_counts(chosen, n_experts).float() / router_logits.shape[0]  # (E,)
@@ -66,8 +71,11 @@ def expert_counts(experts: Tensor, n_experts: int) -> Tensor:
 def router_z_loss(router_logits: Tensor) -> Tensor:
     """L_z = mean_t (logsumexp_i s_{t,i})² from router_logits (T, E) -> scalar, in fp32 or wider."""
     _checks.check_tensor("router_logits", router_logits, ndim=2, shape_doc="(T, E)")
-    logits = at_least_float32(router_logits)
-    return torch.logsumexp(logits, dim=-1).square().mean()
+    return _router_z_loss(router_logits)
+
+
+def _router_z_loss(router_logits: Tensor) -> Tensor:
+    return torch.logsumexp(at_least_float32(router_logits), dim=-1).square().mean()
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -198,7 +206,8 @@ class MoEFeedForward(nn.Module):
 
     One host synchronisation per forward: the per-expert slot counts are read once with `.tolist()`,
     because the slices of the dispatch need their sizes on the host. validate_args=False skips the
-    checks of the arguments (see `MultiHeadAttention`): a GPT's config checked them.
+    checks of the arguments and of forward's input (see `MultiHeadAttention`): a GPT's config
+    checked the former, its block makes the latter.
     """
 
     expert_bias: Tensor  # (E,) buffers
@@ -219,6 +228,7 @@ class MoEFeedForward(nn.Module):
                 _checks.check_positive_number("capacity_factor", capacity_factor)
             _checks.check_non_negative_number("bias_update_rate", bias_update_rate)
             _checks.check_probability("dropout", dropout)
+        self.validate_args = validate_args
         self.n_experts, self.top_k, self.score = n_experts, top_k, score
         self.normalize_top_k = normalize_top_k
         self.capacity_factor = capacity_factor
@@ -274,8 +284,9 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (B, n, d_model) -> (B, n, d_model)."""
-        _checks.check_tensor("x", x)
-        _checks.check_last_dim("x", x, self.d_model, "d_model")
+        if self.validate_args:  # called on its own; in a model's block x is the block's own
+            _checks.check_tensor("x", x)
+            _checks.check_last_dim("x", x, self.d_model, "d_model")
         flat = x.reshape(-1, x.shape[-1])  # (T, d_model)
         logits = self.router(flat)  # (T, E)
         self.router_logits = logits
@@ -325,10 +336,10 @@ class MoEFeedForward(nn.Module):
         return {**self.__dict__, "router_logits": None}
 
     def aux_losses(self) -> tuple[Tensor, Tensor]:
-        """(L_aux, L_z) of the last forward's router logits."""
+        """(L_aux, L_z) of the last forward's router logits (its own: nothing to check)."""
         if self.router_logits is None:
             raise RuntimeError("aux_losses() needs a forward pass first")
-        return load_balancing_loss(self.router_logits, self.top_k), router_z_loss(self.router_logits)
+        return _load_balancing_loss(self.router_logits, self.top_k), _router_z_loss(self.router_logits)
 
     @torch.no_grad()
     def update_bias(self) -> None:
