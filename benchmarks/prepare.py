@@ -59,17 +59,17 @@ def peak_rss_mb() -> float:
 
 def child(path: Path, kind: str, vocab_size: int, workdir: Path, peer_mb: int) -> dict:
     """One measurement, in a process of its own (see the module docstring)."""
-    from plainformer.data import lm
+    from plainformer.data import prepared
 
     size = path.stat().st_size / 1e6
     start = time.perf_counter()
-    data = lm.prepare_lm_data(path, tokenizer=kind, vocab_size=vocab_size if kind == "bpe" else None,
+    data = prepared.prepare_lm_data(path, tokenizer=kind, vocab_size=vocab_size if kind == "bpe" else None,
                               cache_dir=workdir / f"cache-{kind}")
     result = {"kind": kind, "mb": size, "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
               "tokens": len(data.train_tokens) + len(data.val_tokens)}
     if kind == "bpe":
         start = time.perf_counter()
-        lm.prepare_lm_data(path, tokenizer=data.tokenizer, cache_dir=workdir / "cache-bpe-given")
+        prepared.prepare_lm_data(path, tokenizer=data.tokenizer, cache_dir=workdir / "cache-bpe-given")
         result["encode_seconds"] = time.perf_counter() - start
         result["peak_rss_mb"] = peak_rss_mb()  # ours, before the peer runs
         for method in ("encode_batch", "encode_batch_fast"):

@@ -7,13 +7,8 @@ from ._version import __version__ as __version__
 from .checkpoint.format import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config
 from .data.corpus import TextSplit, Work, load_split, load_text, split_text
-from .data.lm import (
-    LMBatchSource,
-    LMData,
-    build_tokenizer,
-    prepare_lm_data,
-    token_array,
-)
+from .data.lm import LMBatchSource, build_tokenizer, token_array
+from .data.prepared import LMData, prepare_lm_data
 from .data.seq2seq import Seq2SeqBatches, make_task, train_tokenizer
 from .data.tokenizers import (
     BPETokenizer,

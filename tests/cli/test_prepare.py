@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 
 from plainformer.cli import main
-from plainformer.data.lm import prepare_lm_data
+from plainformer.data.prepared import prepare_lm_data
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:

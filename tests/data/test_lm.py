@@ -13,13 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plainformer.data import lm as data
+from plainformer.data import prepared
 from plainformer.data.corpus import find_works, load_split, load_text, split_text
-from plainformer.data.lm import (
-    LMBatchSource,
-    build_tokenizer,
-    prepare_lm_data,
-    token_array,
-)
+from plainformer.data.lm import LMBatchSource, build_tokenizer, token_array
+from plainformer.data.prepared import prepare_lm_data
 from plainformer.data.tokenizers import BPETokenizer, CharTokenizer
 
 # From shared/data/README.md, the corpus' own documentation.
@@ -217,14 +214,14 @@ def test_concurrent_preparers_of_one_entry_prepare_it_once(tmp_path, monkeypatch
     path = tmp_path / "corpus.txt"
     path.write_text(make_works(10))
     prepared_in = []
-    prepare = data._prepare
+    prepare = prepared._prepare
 
     def slow_prepare(directory, *args):
         prepared_in.append(directory)
         time.sleep(0.3)  # the other thread reaches the entry meanwhile
         prepare(directory, *args)
 
-    monkeypatch.setattr(data, "_prepare", slow_prepare)
+    monkeypatch.setattr(prepared, "_prepare", slow_prepare)
     with ThreadPoolExecutor(2) as pool:
         first, second = pool.map(lambda _: prepare_lm_data(path, cache_dir=tmp_path / "cache"), range(2))
     assert len(prepared_in) == 1
@@ -439,7 +436,7 @@ def test_a_cache_entry_is_reused_without_reading_the_data(tmp_path, monkeypatch)
     def fail(*args, **kwargs):
         raise AssertionError("the data was read again")
 
-    monkeypatch.setattr(data, "_prepare", fail)
+    monkeypatch.setattr(prepared, "_prepare", fail)
     again = prepare_lm_data(path, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache")
     assert again.tokenizer.fingerprint == first.tokenizer.fingerprint
     assert np.array_equal(again.val_tokens, first.val_tokens)
@@ -449,7 +446,7 @@ def test_an_interrupted_preparation_is_done_again_not_trusted(tmp_path, monkeypa
     path = write_corpus(tmp_path / "c.txt", random_documents([1_000] * 8, seed=11))
     reference = prepare_lm_data(path, cache_dir=tmp_path / "reference")
     writes = []
-    real_write = data._write_tokens
+    real_write = prepared.write_tokens
 
     def write_train_then_stop(target, arrays, dtype):
         writes.append(target.name)
@@ -458,13 +455,13 @@ def test_an_interrupted_preparation_is_done_again_not_trusted(tmp_path, monkeypa
             raise KeyboardInterrupt  # Ctrl-C while the validation tokens are written
         return real_write(target, arrays, dtype)
 
-    monkeypatch.setattr(data, "_write_tokens", write_train_then_stop)
+    monkeypatch.setattr(prepared, "write_tokens", write_train_then_stop)
     with pytest.raises(KeyboardInterrupt):
         prepare_lm_data(path, cache_dir=tmp_path / "cache")
     assert writes == ["train.bin", "val.bin"]
     (entry,) = (tmp_path / "cache" / "lm").iterdir()
     assert (entry / "train.bin").is_file() and not (entry / "stats.json").exists()
-    monkeypatch.setattr(data, "_write_tokens", real_write)
+    monkeypatch.setattr(prepared, "write_tokens", real_write)
     redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
     assert np.array_equal(redone.val_tokens, reference.val_tokens)
 
@@ -525,8 +522,8 @@ def test_streamed_split_equals_the_in_memory_split_for_any_block_size(docs, bloc
 
 KILLED_CHILD = """
 import sys, time
-from plainformer.data import lm
-real_write = lm._write_tokens
+from plainformer.data import lm, prepared
+real_write = prepared.write_tokens
 
 def write_then_hang(path, arrays, dtype):
     if path.name == "val.bin":
@@ -539,9 +536,9 @@ def write_then_hang(path, arrays, dtype):
         return real_write(path, slow(), dtype)
     return real_write(path, arrays, dtype)
 
-lm._write_tokens = write_then_hang
+prepared.write_tokens = write_then_hang
 lm.ENCODE_CHUNK_CHARS = 200
-lm.prepare_lm_data(sys.argv[1], cache_dir=sys.argv[2])
+prepared.prepare_lm_data(sys.argv[1], cache_dir=sys.argv[2])
 """
 
 
@@ -574,12 +571,12 @@ def test_a_preparation_killed_midway_is_done_again(tmp_path):
 def test_a_large_training_part_trains_the_tokenizer_on_evenly_spread_windows(monkeypatch):
     from plainformer.data.sources import Piece
 
-    monkeypatch.setattr(data, "TOKENIZER_SAMPLE_CHARS", 1_000)
-    monkeypatch.setattr(data, "SAMPLE_WINDOW_CHARS", 100)
-    monkeypatch.setattr(data, "TRAINING_CHUNK_CHARS", 10)
+    monkeypatch.setattr(prepared, "TOKENIZER_SAMPLE_CHARS", 1_000)
+    monkeypatch.setattr(prepared, "SAMPLE_WINDOW_CHARS", 100)
+    monkeypatch.setattr(prepared, "TRAINING_CHUNK_CHARS", 10)
     lines = [f"{i:09d}" for i in range(1_000)]  # 10 characters a line with its newline
     text = "\n".join(lines)
-    sample = "".join(data._training_sample([Piece(text, True)], len(text)))
+    sample = "".join(prepared._training_sample([Piece(text, True)], len(text)))
     # stride = ceil(10,000 / 1,000) = 10: windows 0, 10, 20, ... of 100 characters, i.e. lines 0-9, 100-109, ...
     assert sample.split() == [line for i, line in enumerate(lines) if (i // 10) % 10 == 0]
     assert len(sample) <= 1_000

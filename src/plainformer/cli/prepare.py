@@ -1,6 +1,6 @@
 """`plainformer prepare`: read, split, tokenize and encode a corpus once, to train on it many times.
 
-The preparation is the one `train --data` does (`data.lm.prepare_lm_data`), streamed and cached:
+The preparation is the one `train --data` does (`data.prepared.prepare_lm_data`), streamed and cached:
 a later `train` with the same data and tokenizer starts at once. Ends with one JSON line of its
 statistics on stdout; the split's log and a progress bar go to stderr.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.corpus import VAL_FRACTION
-from ..data.lm import prepare_lm_data
+from ..data.prepared import prepare_lm_data
 from ..training.distributed import log
 from . import fraction, positive_int
 

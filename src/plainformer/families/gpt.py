@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.lm import LMBatchSource, prepare_lm_data
+from ..data.lm import LMBatchSource
+from ..data.prepared import prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..errors import UserError
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
