@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from .. import _checks
 from ..files.atomic import atomic_path, remove_stale_temporaries
+from ..files.json_file import read_json_object
 from ..files.run_lock import run_lock
 from .corpus import VAL_FRACTION, check_val_fraction, line_cut, val_boundary
 from .lm import (
@@ -257,7 +258,7 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
 def _load_prepared(directory: Path, tokenizer: str | Tokenizer) -> LMData | None:
     """The cache entry in `directory`, or None unless it is complete."""
     try:
-        stats = DataStats.from_dict(json.loads((directory / "stats.json").read_text(encoding="utf-8")))
+        stats = DataStats.from_dict(read_json_object(directory / "stats.json"))
         tok = load_tokenizer(directory / "tokenizer") if isinstance(tokenizer, str) else tokenizer
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..data.tokenizers import WordPieceTokenizer
 from ..files.atomic import atomic_path, reporting_full_disk
+from ..files.json_file import read_json_object
 from ..models.bert import BertConfig, BertModel
 
 SAFETENSORS = "model.safetensors"
@@ -225,7 +226,7 @@ def load_hf_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto") -> Be
     config_path = directory / HF_CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face model directory: {HF_CONFIG} is missing")
-    config = bert_config_from_hf(_read_hf_config(config_path)).replace(backend=backend)
+    config = bert_config_from_hf(read_json_object(config_path)).replace(backend=backend)
     state = bert_state_from_hf(read_hf_weights(directory), config.n_layers)
     model = BertModel(config)
     missing = set(model.state_dict()) - set(state)
@@ -237,16 +238,6 @@ def load_hf_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto") -> Be
     except RuntimeError as e:
         raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
     return model.eval()
-
-
-def _read_hf_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
 
 
 def load_hf_bert_tokenizer(name_or_dir: str | os.PathLike) -> WordPieceTokenizer:

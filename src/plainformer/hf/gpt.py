@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ..data.tokenizers import TOKENIZER_FILE, Tokenizer
 from ..files.atomic import atomic_path
+from ..files.json_file import read_json_object
 from ..models.bert import BertModel
 from ..models.gpt import GPT, GPTConfig
 from .bert import (
@@ -366,17 +367,14 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / HF_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face model directory: {HF_CONFIG} is missing")
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path)
 
 
 def is_hf_directory(directory: str | os.PathLike) -> bool:
     """Whether `directory` looks like a Hugging Face model directory (config.json with a model_type)."""
     path = Path(directory) / HF_CONFIG
     try:
-        return path.is_file() and "model_type" in json.loads(path.read_text(encoding="utf-8"))
+        return path.is_file() and "model_type" in read_json_object(path)
     except (OSError, ValueError):
         return False
 
@@ -407,7 +405,7 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
     index = directory / SHARD_INDEX
     if (directory / SAFETENSORS).is_file() or not index.is_file():
         return read_hf_weights(directory)
-    shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    shards = sorted(set(read_json_object(index).get("weight_map", {}).values()))
     if not shards or any(Path(shard).name != shard for shard in shards):
         raise ValueError(f"{index} must map weights to shard files in {directory}")
     return {name: tensor for shard in shards for name, tensor in load_file(directory / shard).items()}
