@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _checks
 from .errors import CheckpointError, check_like
 
 # The per-parameter state torch's Adam and AdamW keep; other optimizers get the generic checks only.
@@ -63,7 +64,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
         raise CheckpointError(f"{file} describes param groups of sizes {sizes} but the optimizer has "
                               f"{[len(c['params']) for c in current]}; build it over the same model")
     ids = [i for g in saved for i in g["params"]]
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids) or len(set(ids)) != len(ids):
+    if not all(map(_checks.is_int, ids)) or len(set(ids)) != len(ids):
         raise CheckpointError(f"{file}: the 'params' of the param groups must be distinct integers")
     groups = []
     for number, (group, ours) in enumerate(zip(saved, current, strict=True)):
@@ -81,7 +82,7 @@ def _param_groups(file: Path, saved: list, optimizer: torch.optim.Optimizer
 def _hyperparameter(where: str, saved: Any, ours: Any) -> Any:
     """`saved` converted to the type of `ours` (tuple for a list, a finite float for a number)."""
     def number(x: Any) -> bool:
-        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+        return _checks.is_number(x) and math.isfinite(x)
 
     if isinstance(ours, tuple) and isinstance(saved, (list, tuple)) and len(saved) == len(ours) \
             and all(map(number, saved)):

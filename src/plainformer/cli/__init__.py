@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import _checks
 from .._version import __version__
 from ..config import Config
 from ..errors import UserError
@@ -59,7 +60,7 @@ def add_threads_argument(parser: argparse.ArgumentParser, default_doc: str = "to
 
 def set_threads(threads: int | None) -> None:
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+        if not _checks.is_int(threads) or threads <= 0:
             raise UserError(f"--threads must be a positive integer, got {threads}")
         torch.set_num_threads(threads)
 

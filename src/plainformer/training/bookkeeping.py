@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _checks
 from ..files.atomic import atomic_path
 
 
@@ -119,7 +120,7 @@ def keep_metrics_until(path: Path, step: int) -> None:
             with contextlib.suppress(json.JSONDecodeError):
                 record = json.loads(line)
                 logged = record.get("step") if isinstance(record, dict) else None
-                if isinstance(logged, int) and not isinstance(logged, bool) and logged <= step:
+                if _checks.is_int(logged) and logged <= step:
                     kept.append(line + "\n")
     with atomic_path(path) as tmp:
         tmp.write_text("".join(kept))

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import _checks
 from ..nn.dtypes import at_least_float32
 from .config import PARALLEL
 from .optim import MuonWithAdamW
@@ -330,7 +331,7 @@ class Distributed:
 
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     """The torchrun command that runs `plainformer ARGV` on `nproc` processes of this machine."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if not _checks.is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "plainformer", *argv]

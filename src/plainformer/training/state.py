@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .. import _checks
 from ..checkpoint.format import TRAINER_STATE, Checkpoint, CheckpointError
 from ..config import Config
 
@@ -91,8 +92,8 @@ class TrainerState(Config):
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _checks.is_int(value) and value >= 0
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _checks.is_number(value)
