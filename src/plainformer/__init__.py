@@ -41,6 +41,7 @@ from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLaye
 from .nn.feedforward import FeedForward
 from .nn.flash import flash_attention
 from .nn.kv_cache import KVCache
+from .nn.lora import LoRALinear, add_lora, lora_parameters, merge_lora, unmerge_lora
 from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
@@ -71,6 +72,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "KVCache",
+    "LoRALinear",
     "LMBatchSource",
     "LMData",
     "LearnedPositionalEmbedding",
@@ -90,6 +92,7 @@ __all__ = [
     "TransformerConfig",
     "WordPieceTokenizer",
     "Work",
+    "add_lora",
     "attention",
     "attention_maps",
     "beam_search",
@@ -106,9 +109,11 @@ __all__ = [
     "load_split",
     "load_text",
     "load_tokenizer",
+    "lora_parameters",
     "lr_at",
     "make_optimizer",
     "make_task",
+    "merge_lora",
     "plot_attention_maps",
     "plot_loss_curve",
     "prepare_lm_data",
@@ -122,4 +127,5 @@ __all__ = [
     "split_text",
     "token_array",
     "train_tokenizer",
+    "unmerge_lora",
 ]

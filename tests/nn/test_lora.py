@@ -1,0 +1,233 @@
+"""LoRA (plainformer.nn.lora): the equation in float64, training starts from the base model, only A and B
+train, merge/unmerge, and parity with Hugging Face PEFT on a Llama and a BERT with copied A and B."""
+
+from __future__ import annotations
+
+import math
+
+import peft
+import pytest
+import torch
+import transformers
+
+import plainformer as pf
+from plainformer.nn.lora import LoRALinear, lora_layers
+
+TOLERANCE = 1e-5  # fp32 against PEFT
+
+
+def _gpt(**changes) -> pf.GPT:
+    torch.manual_seed(0)
+    config = dict(vocab_size=31, block_size=16, n_layers=2, n_heads=2, d_model=16, d_ff=32, tie_weights=False)
+    return pf.GPT(pf.GPTConfig(**{**config, **changes}))
+
+
+def _tokens(vocab: int = 31) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def _randomize_b(model: torch.nn.Module) -> None:
+    """B ≠ 0, so that a test of the update cannot pass with a zero one."""
+    with torch.no_grad():
+        for layer in lora_layers(model):
+            layer.lora_B.normal_(generator=torch.Generator().manual_seed(layer.lora_B.numel()))
+
+
+def test_the_layer_computes_w_x_plus_the_scaled_low_rank_update_in_float64():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(5, 3).double()
+    layer = LoRALinear(base, r=2, alpha=6.0)
+    _randomize_b(layer)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    W, b, A, B = base.weight, base.bias, layer.lora_A, layer.lora_B
+    expected = x @ W.T + b + (6.0 / 2) * (x @ A.T @ B.T)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-12)
+
+
+def test_a_starts_kaiming_uniform_and_b_at_zero_so_training_starts_from_the_base_model():
+    model = _gpt()
+    idx = _tokens()
+    with torch.no_grad():
+        before = model(idx)[0]
+        pf.add_lora(model, r=4, targets=("W_q", "W_v", "W_1", "lm_head"))
+        after = model(idx)[0]
+    assert torch.equal(before, after)
+    layer = model.blocks[0].self_attn.W_q
+    bound = 1 / math.sqrt(layer.in_features)  # kaiming_uniform(a=√5) on (r, d_in)
+    assert layer.lora_A.abs().max() <= bound and layer.lora_A.abs().max() > bound / 2
+    assert torch.count_nonzero(layer.lora_B) == 0
+
+
+def test_the_state_dict_keeps_every_base_name_and_adds_a_and_b():
+    model = _gpt()
+    names = set(model.state_dict())
+    pf.add_lora(model, r=2)
+    added = set(model.state_dict()) - names
+    assert names <= set(model.state_dict())
+    assert added == {f"blocks.{i}.self_attn.{w}.lora_{ab}" for i in range(2) for w in ("W_q", "W_v") for ab in "AB"}
+
+
+def test_after_three_steps_only_lora_parameters_changed_and_base_weights_are_bit_identical():
+    model = pf.add_lora(_gpt(), r=2, targets=("W_q", "W_k", "W_v", "W_o", "W_1", "W_2"))
+    base = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
+    trained = pf.lora_parameters(model)
+    assert [p.requires_grad for p in model.parameters()].count(True) == len(trained) == 2 * 6 * 2
+    optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    idx = _tokens()
+    for _ in range(3):
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name]), name
+            assert p.grad is None, name
+    assert all(torch.count_nonzero(layer.lora_B) > 0 for layer in lora_layers(model))
+
+
+def test_trainable_patterns_stay_trainable():
+    model = pf.add_lora(_gpt(), r=2, trainable=("norm",))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("norm" in name for name in trainable)
+    assert all("lora_" in name or "norm" in name for name in trainable)
+
+
+def test_dropout_zero_in_train_mode_equals_eval_mode():
+    model = pf.add_lora(_gpt(), r=2, dropout=0.0)
+    _randomize_b(model)
+    idx = _tokens()
+    with torch.no_grad():
+        training = model.train()(idx)[0]
+        evaluating = model.eval()(idx)[0]
+    assert torch.equal(training, evaluating)
+
+
+def test_merge_keeps_the_function_merging_twice_changes_nothing_and_unmerge_restores_w():
+    model = pf.add_lora(_gpt().double(), r=3, alpha=5.0, targets=("W_q", "W_k", "W_v", "W_o", "W_1", "W_2",
+                                                                   "lm_head"))
+    _randomize_b(model)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
+    idx = _tokens()
+    with torch.no_grad():
+        unmerged = model(idx)[0]
+        pf.merge_lora(model)
+        merged = model(idx)[0]
+        once = {name: p.detach().clone() for name, p in model.named_parameters()}
+        pf.merge_lora(model)
+        assert all(torch.equal(p, once[name]) for name, p in model.named_parameters())
+        pf.unmerge_lora(model)
+        again = model(idx)[0]
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-10)
+    torch.testing.assert_close(again, unmerged, rtol=0, atol=1e-10)
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            torch.testing.assert_close(p, weights[name], rtol=0, atol=1e-12)
+
+
+def test_the_encoder_decoder_and_bert_adapt_their_projections():
+    torch.manual_seed(0)
+    transformer = pf.Transformer(pf.TransformerConfig(src_vocab_size=11, tgt_vocab_size=11, n_layers=1,
+                                                      n_heads=2, d_model=8, d_ff=16, max_len=16))
+    bert = pf.BertModel(pf.BertConfig(vocab_size=20, n_layers=1, n_heads=2, d_model=8, d_ff=16, max_len=16))
+    for model in (transformer, bert):
+        pf.add_lora(model, r=2, targets=("W_q", "W_v", "W_2"))
+        assert lora_layers(model) and all(isinstance(m, LoRALinear) for m in lora_layers(model))
+        assert all(p.requires_grad == ("lora_" in name) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: pf.add_lora(m, r=0), ValueError, "r must be"),
+    (lambda m: pf.add_lora(m, alpha=-1.0), ValueError, "alpha must be"),
+    (lambda m: pf.add_lora(m, dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
+    (lambda m: pf.add_lora(m, targets=("q_proj",)), ValueError, "'q_proj' are not LoRA targets; choose from W_q"),
+    (lambda m: pf.add_lora(m, targets="W_q"), TypeError, "targets must be a non-empty sequence"),
+    (lambda m: pf.add_lora(m, targets=("W_3",)), ValueError, "no linear layer of GPT is named W_3"),
+    (lambda m: pf.add_lora(pf.add_lora(m)), ValueError, "already has LoRA layers"),
+])
+def test_bad_arguments_are_refused_naming_them(call, error, message):
+    with pytest.raises(error, match=message):
+        call(_gpt())
+
+
+def test_a_head_tied_to_the_embedding_is_refused():
+    with pytest.raises(ValueError, match=r"lm_head.weight is tied to token_embedding.weight"):
+        pf.add_lora(_gpt(tie_weights=True), targets=("W_q", "lm_head"))
+
+
+def test_the_stacked_weights_of_moe_experts_are_refused():
+    model = _gpt(n_experts=4, top_k=2, activation="swiglu")
+    with pytest.raises(ValueError, match=r"blocks.0.ff.W_1 stacks the weights of every expert"):
+        pf.add_lora(model, targets=("W_q", "W_1"))
+    pf.add_lora(model, targets=("W_q", "W_v"))  # attention only: fine
+
+
+# ----------------------------------------------------------------------------- PEFT, with copied A and B
+
+def _peft_model(hf_model, targets: list[str], r: int = 4, alpha: float = 8.0):
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                             init_lora_weights=False)  # random A and B: the comparison cannot pass trivially
+    return peft.get_peft_model(hf_model, config).eval()
+
+
+def _copy_adapters(theirs, ours, names: dict[str, str]) -> None:
+    """Copy PEFT's A and B (`...{hf}.lora_A.default.weight`) into ours (`{ours}.lora_A`)."""
+    state = theirs.state_dict()
+    with torch.no_grad():
+        for hf_module, our_module in names.items():
+            layer = ours.get_submodule(our_module)
+            layer.lora_A.copy_(state[f"base_model.model.{hf_module}.lora_A.default.weight"])
+            layer.lora_B.copy_(state[f"base_model.model.{hf_module}.lora_B.default.weight"])
+
+
+def _llama(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "llama")
+    return theirs, pf.load_hf(tmp_path / "llama")
+
+
+LLAMA_NAMES = {**{f"model.layers.{i}.self_attn.{hf}": f"blocks.{i}.self_attn.{w}"
+                  for i in range(2) for hf, w in (("q_proj", "W_q"), ("v_proj", "W_v"))},
+               **{f"model.layers.{i}.mlp.down_proj": f"blocks.{i}.ff.W_2" for i in range(2)}}
+
+
+def test_a_llama_matches_peft_unmerged_merged_and_unmerged_again(tmp_path):
+    hf, ours = _llama(tmp_path)
+    theirs = _peft_model(hf, ["q_proj", "v_proj", "down_proj"])
+    pf.add_lora(ours, r=4, alpha=8.0, targets=("W_q", "W_v", "W_2")).eval()
+    _copy_adapters(theirs, ours, LLAMA_NAMES)
+    idx = _tokens()
+    with torch.no_grad():
+        reference = theirs(input_ids=idx).logits
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+        pf.merge_lora(ours)
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+        assert (ours(idx)[0] - theirs.merge_and_unload()(input_ids=idx).logits).abs().max() <= TOLERANCE
+        pf.unmerge_lora(ours)
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+
+
+def test_a_bert_matches_peft_with_copied_adapters(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    hf = transformers.BertModel(config).eval()
+    hf.save_pretrained(tmp_path / "bert")
+    ours = pf.load_hf_bert(tmp_path / "bert")
+    theirs = _peft_model(hf, ["query", "value"])
+    pf.add_lora(ours, r=4, alpha=8.0, targets=("W_q", "W_v")).eval()
+    names = {f"encoder.layer.{i}.attention.self.{hf}": f"layers.{i}.self_attn.{w}"
+             for i in range(2) for hf, w in (("query", "W_q"), ("value", "W_v"))}
+    _copy_adapters(theirs, ours, names)
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(2))  # 0 is [PAD], masked by ours
+    with torch.no_grad():
+        reference = theirs(input_ids=ids).last_hidden_state
+        assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
+        pf.merge_lora(ours)
+        assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
