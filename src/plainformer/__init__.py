@@ -22,6 +22,7 @@ from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
 from .hf.bert import load_hf_bert, save_hf_bert
 from .hf.gpt import load_hf, save_hf
+from .hf.lora import load_lora, save_lora
 from .hf.sentence import SentenceEncoder
 from .hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
 from .models import (
@@ -106,6 +107,7 @@ __all__ = [
     "load_balancing_loss",
     "load_hf_bert",
     "load_hf_tokenizer",
+    "load_lora",
     "load_split",
     "load_text",
     "load_tokenizer",
@@ -123,6 +125,7 @@ __all__ = [
     "save_hf",
     "save_hf_bert",
     "save_hf_tokenizer",
+    "save_lora",
     "scaled_dot_product_attention",
     "split_text",
     "token_array",

@@ -1,0 +1,114 @@
+"""LoRA adapters on disk (plainformer.hf.lora): PEFT loads what save_lora writes and load_lora reads what
+PEFT writes, with equal logits (a Llama, a BERT); a GPT-2-layout model round-trips in our names; a file that
+does not fit the model is refused naming it."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+import plainformer as pf
+from plainformer.hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora, save_lora
+from plainformer.nn.lora import lora_layers
+
+TOLERANCE = 1e-5  # fp32 against PEFT
+
+
+def _randomize_b(model) -> None:
+    with torch.no_grad():
+        for layer in lora_layers(model):
+            layer.lora_B.normal_(generator=torch.Generator().manual_seed(layer.lora_B.numel()))
+
+
+def _llama_directory(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def _hf_llama(directory):
+    return transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 31, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def test_peft_loads_our_adapter_of_a_llama_with_equal_logits(tmp_path):
+    directory = _llama_directory(tmp_path)
+    ours = pf.add_lora(pf.load_hf(directory), r=4, alpha=8.0, targets=("W_q", "W_v", "W_2")).eval()
+    _randomize_b(ours)
+    save_lora(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"] and config["r"] == 4
+    theirs = peft.PeftModel.from_pretrained(_hf_llama(directory), tmp_path / "adapter").eval()
+    idx = _tokens()
+    with torch.no_grad():
+        assert (ours(idx)[0] - theirs(input_ids=idx).logits).abs().max() <= TOLERANCE
+
+
+def test_we_load_an_adapter_peft_saved_with_equal_logits(tmp_path):
+    directory = _llama_directory(tmp_path)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    theirs = peft.get_peft_model(_hf_llama(directory), config).eval()
+    theirs.save_pretrained(tmp_path / "adapter")
+    ours = load_lora(pf.load_hf(directory), tmp_path / "adapter").eval()
+    assert {n.rpartition(".")[2] for n, m in ours.named_modules() if m in lora_layers(ours)} == {"W_q", "W_v"}
+    idx = _tokens()
+    with torch.no_grad():
+        assert (ours(idx)[0] - theirs(input_ids=idx).logits).abs().max() <= TOLERANCE
+
+
+def test_a_bert_adapter_goes_both_ways_with_peft(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    transformers.BertModel(config).save_pretrained(tmp_path / "bert")
+    ours = pf.add_lora(pf.load_hf_bert(tmp_path / "bert"), r=2, alpha=4.0, targets=("W_q", "W_v")).eval()
+    _randomize_b(ours)
+    save_lora(ours, tmp_path / "ours")
+    theirs = peft.PeftModel.from_pretrained(transformers.BertModel.from_pretrained(tmp_path / "bert").eval(),
+                                            tmp_path / "ours").eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    again = load_lora(pf.load_hf_bert(tmp_path / "bert"), tmp_path / "theirs").eval()
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(2))  # 0 is [PAD], masked by ours
+    with torch.no_grad():
+        reference = theirs(input_ids=ids).last_hidden_state
+        assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
+        assert (again(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
+
+
+def _gpt2_shaped() -> pf.GPT:
+    torch.manual_seed(0)
+    return pf.GPT(pf.GPTConfig(vocab_size=31, block_size=16, n_layers=2, n_heads=2, d_model=16, d_ff=32))
+
+
+def test_a_gpt2_layout_model_is_saved_in_our_names_and_loads_back_exactly(tmp_path):
+    ours = pf.add_lora(_gpt2_shaped(), r=2, targets=("W_q", "W_v")).eval()
+    _randomize_b(ours)
+    save_lora(ours, tmp_path / "adapter")
+    from safetensors.torch import load_file
+    assert "blocks.0.self_attn.W_q.lora_A" in load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    again = load_lora(_gpt2_shaped(), tmp_path / "adapter").eval()
+    idx = _tokens()
+    with torch.no_grad():
+        assert torch.equal(ours(idx)[0], again(idx)[0])
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_the_file(tmp_path):
+    ours = pf.add_lora(_gpt2_shaped(), r=2, targets=("W_q",))
+    save_lora(ours, tmp_path / "adapter")
+    wider = pf.GPT(pf.GPTConfig(vocab_size=31, block_size=16, n_layers=2, n_heads=2, d_model=32, d_ff=32))
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors: blocks\.\d\.self_attn\.W_q\.lora_A has shape"):
+        load_lora(wider, tmp_path / "adapter")
+    with pytest.raises(ValueError, match="no LoRA layers to save"):
+        save_lora(_gpt2_shaped(), tmp_path / "none")
