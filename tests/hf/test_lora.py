@@ -1,6 +1,7 @@
-"""LoRA adapters on disk (plainformer.hf.lora): PEFT loads what save_lora writes and load_lora reads what
-PEFT writes, with equal logits (a Llama, a BERT); a GPT-2-layout model round-trips in our names; a file that
-does not fit the model is refused naming it."""
+"""LoRA against Hugging Face PEFT: with copied A and B, a Llama and a BERT give PEFT's outputs unmerged,
+merged and unmerged again; on disk (plainformer.hf.lora), PEFT loads what save_lora writes and load_lora
+reads what PEFT writes; a GPT-2-layout model round-trips in our names; a file that does not fit the model is
+refused naming it."""
 
 from __future__ import annotations
 
@@ -112,3 +113,64 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_the_file(tmp_p
         load_lora(wider, tmp_path / "adapter")
     with pytest.raises(ValueError, match="no LoRA layers to save"):
         save_lora(_gpt2_shaped(), tmp_path / "none")
+
+
+# ----------------------------------------------------------------------------- PEFT, with copied A and B
+
+def _peft_model(hf_model, targets: list[str], r: int = 4, alpha: float = 8.0):
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                             init_lora_weights=False)  # random A and B: the comparison cannot pass trivially
+    return peft.get_peft_model(hf_model, config).eval()
+
+
+def _copy_adapters(theirs, ours, names: dict[str, str]) -> None:
+    """Copy PEFT's A and B (`...{hf}.lora_A.default.weight`) into ours (`{ours}.lora_A`)."""
+    state = theirs.state_dict()
+    with torch.no_grad():
+        for hf_module, our_module in names.items():
+            layer = ours.get_submodule(our_module)
+            layer.lora_A.copy_(state[f"base_model.model.{hf_module}.lora_A.default.weight"])
+            layer.lora_B.copy_(state[f"base_model.model.{hf_module}.lora_B.default.weight"])
+
+
+LLAMA_NAMES = {**{f"model.layers.{i}.self_attn.{hf}": f"blocks.{i}.self_attn.{w}"
+                  for i in range(2) for hf, w in (("q_proj", "W_q"), ("v_proj", "W_v"))},
+               **{f"model.layers.{i}.mlp.down_proj": f"blocks.{i}.ff.W_2" for i in range(2)}}
+
+
+def test_a_llama_matches_peft_unmerged_merged_and_unmerged_again(tmp_path):
+    directory = _llama_directory(tmp_path)
+    ours = pf.load_hf(directory)
+    theirs = _peft_model(_hf_llama(directory), ["q_proj", "v_proj", "down_proj"])
+    pf.add_lora(ours, r=4, alpha=8.0, targets=("W_q", "W_v", "W_2")).eval()
+    _copy_adapters(theirs, ours, LLAMA_NAMES)
+    idx = _tokens()
+    with torch.no_grad():
+        reference = theirs(input_ids=idx).logits
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+        pf.merge_lora(ours)
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+        assert (ours(idx)[0] - theirs.merge_and_unload()(input_ids=idx).logits).abs().max() <= TOLERANCE
+        pf.unmerge_lora(ours)
+        assert (ours(idx)[0] - reference).abs().max() <= TOLERANCE
+
+
+def test_a_bert_matches_peft_with_copied_adapters(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    hf = transformers.BertModel(config).eval()
+    hf.save_pretrained(tmp_path / "bert")
+    ours = pf.load_hf_bert(tmp_path / "bert")
+    theirs = _peft_model(hf, ["query", "value"])
+    pf.add_lora(ours, r=4, alpha=8.0, targets=("W_q", "W_v")).eval()
+    names = {f"encoder.layer.{i}.attention.self.{hf}": f"layers.{i}.self_attn.{w}"
+             for i in range(2) for hf, w in (("query", "W_q"), ("value", "W_v"))}
+    _copy_adapters(theirs, ours, names)
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(2))  # 0 is [PAD], masked by ours
+    with torch.no_grad():
+        reference = theirs(input_ids=ids).last_hidden_state
+        assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
+        pf.merge_lora(ours)
+        assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
