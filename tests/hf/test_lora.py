@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import peft
 import pytest
 import torch
 import transformers
@@ -17,6 +16,14 @@ from plainformer.hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora, save
 from plainformer.nn.lora import lora_layers
 
 TOLERANCE = 1e-5  # fp32 against PEFT
+
+
+def _peft():
+    """peft, imported by the tests that use it rather than when the suite is collected: importing it imports
+    triton, which tests/nn/test_flash_triton.py must import first, with TRITON_INTERPRET=1."""
+    import peft
+
+    return peft
 
 
 def _randomize_b(model) -> None:
@@ -50,7 +57,7 @@ def test_peft_loads_our_adapter_of_a_llama_with_equal_logits(tmp_path):
     save_lora(ours, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"] and config["r"] == 4
-    theirs = peft.PeftModel.from_pretrained(_hf_llama(directory), tmp_path / "adapter").eval()
+    theirs = _peft().PeftModel.from_pretrained(_hf_llama(directory), tmp_path / "adapter").eval()
     idx = _tokens()
     with torch.no_grad():
         assert (ours(idx)[0] - theirs(input_ids=idx).logits).abs().max() <= TOLERANCE
@@ -58,8 +65,8 @@ def test_peft_loads_our_adapter_of_a_llama_with_equal_logits(tmp_path):
 
 def test_we_load_an_adapter_peft_saved_with_equal_logits(tmp_path):
     directory = _llama_directory(tmp_path)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    theirs = peft.get_peft_model(_hf_llama(directory), config).eval()
+    config = _peft().LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    theirs = _peft().get_peft_model(_hf_llama(directory), config).eval()
     theirs.save_pretrained(tmp_path / "adapter")
     ours = load_lora(pf.load_hf(directory), tmp_path / "adapter").eval()
     assert {n.rpartition(".")[2] for n, m in ours.named_modules() if m in lora_layers(ours)} == {"W_q", "W_v"}
@@ -77,7 +84,7 @@ def test_a_bert_adapter_goes_both_ways_with_peft(tmp_path):
     ours = pf.add_lora(pf.load_hf_bert(tmp_path / "bert"), r=2, alpha=4.0, targets=("W_q", "W_v")).eval()
     _randomize_b(ours)
     save_lora(ours, tmp_path / "ours")
-    theirs = peft.PeftModel.from_pretrained(transformers.BertModel.from_pretrained(tmp_path / "bert").eval(),
+    theirs = _peft().PeftModel.from_pretrained(transformers.BertModel.from_pretrained(tmp_path / "bert").eval(),
                                             tmp_path / "ours").eval()
     theirs.save_pretrained(tmp_path / "theirs")
     again = load_lora(pf.load_hf_bert(tmp_path / "bert"), tmp_path / "theirs").eval()
@@ -118,9 +125,9 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_the_file(tmp_p
 # ----------------------------------------------------------------------------- PEFT, with copied A and B
 
 def _peft_model(hf_model, targets: list[str], r: int = 4, alpha: float = 8.0):
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+    config = _peft().LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                              init_lora_weights=False)  # random A and B: the comparison cannot pass trivially
-    return peft.get_peft_model(hf_model, config).eval()
+    return _peft().get_peft_model(hf_model, config).eval()
 
 
 def _copy_adapters(theirs, ours, names: dict[str, str]) -> None:
