@@ -42,11 +42,11 @@ def load_any(path: Path) -> tuple[SavedModel, Family]:
         model: SavedModel = load_hf(path)
         return model, families.get(model.family)
     directory = checkpoint_dir(path)
-    name = load_checkpoint(directory).family
-    if name not in families.FAMILIES:
-        raise UserError(f"{directory} holds a {name!r} model, which this command does not handle")
-    family = families.get(name)
-    return family.model.from_checkpoint(directory), family
+    checkpoint = load_checkpoint(directory)
+    if checkpoint.family not in families.FAMILIES:
+        raise UserError(f"{directory} holds a {checkpoint.family!r} model, which this command does not handle")
+    family = families.get(checkpoint.family)
+    return family.model.from_loaded(checkpoint), family
 
 
 # ----------------------------------------------------------------------------- export

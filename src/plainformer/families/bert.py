@@ -126,8 +126,8 @@ def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, reci
                  ) -> dict[str, Any]:
     """`plainformer eval` of a masked LM: loss and masked-token accuracy over the run's fixed
     validation batches (the same masks as during training)."""
-    saved = load_checkpoint(checkpoint, verify=False)
-    model = BertForMaskedLM.from_checkpoint(checkpoint)
+    saved = load_checkpoint(checkpoint)
+    model = BertForMaskedLM.from_loaded(saved)
     batch_size, seed, n_batches = _saved_batching(args, saved)
     source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
                          model.config, seed)
@@ -139,10 +139,10 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
                         ) -> dict[str, Any]:
     """`plainformer eval` of a fine-tuned classifier: accuracy on the whole validation set of the
     run's task, against the majority-class baseline."""
-    saved = load_checkpoint(checkpoint, verify=False)
     if "plays" not in recipe:
         raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
-    model = BertForSequenceClassification.from_checkpoint(checkpoint)
+    saved = load_checkpoint(checkpoint)
+    model = BertForSequenceClassification.from_loaded(saved)
     task = play_lines_task(recipe["plays"])
     batch_size, seed, _ = _saved_batching(args, saved)
     if not isinstance(model.tokenizer, WordPieceTokenizer):

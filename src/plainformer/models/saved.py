@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import nn
 
-from ..checkpoint.format import CheckpointError, load_checkpoint
+from ..checkpoint.format import Checkpoint, CheckpointError, load_checkpoint
 from ..config import Config
 
 
@@ -24,9 +24,13 @@ class SavedModel(nn.Module):
     def from_checkpoint(cls, directory: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> Self:
         """A trained model from a checkpoint directory, in eval mode, with the saved tokenizer (if any)
         as `.tokenizer`."""
-        checkpoint = load_checkpoint(directory)
+        return cls.from_loaded(load_checkpoint(directory), map_location=map_location)
+
+    @classmethod
+    def from_loaded(cls, checkpoint: Checkpoint, *, map_location: str | torch.device = "cpu") -> Self:
+        """As `from_checkpoint`, from a checkpoint already read and verified."""
         if checkpoint.family != cls.family:
-            raise CheckpointError(f"checkpoint {directory} holds a {checkpoint.family!r} model, "
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds a {checkpoint.family!r} model, "
                                   f"not a {cls.__name__} ({cls.family!r})")
         model = cls(checkpoint.config(cls.config_class))  # every family takes its config
         checkpoint.restore_model(model)

@@ -59,13 +59,13 @@ class TrainerState(Config):
         window = self.log_window
         valid = {
             "step": _count(self.step), "data_position": _count(self.data_position),
-            **{name: getattr(self, name) is None or _number(getattr(self, name))
+            **{name: getattr(self, name) is None or _checks.is_number(getattr(self, name))
                for name in ("best_val_loss", "train_loss", "val_loss")},
-            "elapsed_s": _number(self.elapsed_s),
+            "elapsed_s": _checks.is_number(self.elapsed_s),
             **{name: getattr(self, name) is None or _count(getattr(self, name))
                for name in ("world_size", "evaluated_step", "planned_steps")},
             "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
-                          and _number(window["loss_sum"]) and _count(window["steps"]),
+                          and _checks.is_number(window["loss_sum"]) and _count(window["steps"]),
         }
         bad = [name for name, ok in valid.items() if not ok]
         if bad:
@@ -93,7 +93,3 @@ class TrainerState(Config):
 
 def _count(value: Any) -> bool:
     return _checks.is_int(value) and value >= 0
-
-
-def _number(value: Any) -> bool:
-    return _checks.is_number(value)
