@@ -16,7 +16,7 @@ def test_every_recipe_has_its_familys_model_config_and_a_valid_training_recipe(n
     family = families.get(recipe.family)
     assert recipe.name == name and family.train is not None
     if recipe.model is None:  # fine-tuning: the model comes from the `init` option
-        assert family.finetune_fields and "init" in recipe.options
+        assert family.finetune_fields and family.from_base is not None and "init" in family.options
     else:
         assert type(recipe.model) is family.config
     assert isinstance(recipe.train, pf.TrainConfig) and recipe.summary
@@ -26,7 +26,7 @@ def test_every_recipe_has_its_familys_model_config_and_a_valid_training_recipe(n
 def test_every_gpt_preset_has_a_recipe_with_that_model():
     for name in pf.GPTConfig.preset_names():
         assert recipes.get(name).model == pf.GPTConfig.from_preset(name)
-    assert recipes.names("gpt") == ["default", "moe", "nanogpt-cpu", "shakespeare-char", "gpt2"]
+    assert recipes.names("gpt") == ["default", "moe", "nanogpt-cpu", "shakespeare-char", "gpt2", "gpt-finetune"]
 
 
 def test_gpt2_has_its_own_recipe_not_the_defaults():

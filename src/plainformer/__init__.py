@@ -17,6 +17,7 @@ from .data.tokenizers import (
     WordPieceTokenizer,
     load_tokenizer,
 )
+from .families import load_model
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
@@ -42,7 +43,7 @@ from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLaye
 from .nn.feedforward import FeedForward
 from .nn.flash import flash_attention
 from .nn.kv_cache import KVCache
-from .nn.lora import LoRALinear, add_lora, lora_parameters, merge_lora, unmerge_lora
+from .nn.lora import LoRAConfig, LoRALinear, add_lora, lora_parameters, merge_lora, unload_lora, unmerge_lora
 from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
@@ -73,6 +74,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "KVCache",
+    "LoRAConfig",
     "LoRALinear",
     "LMBatchSource",
     "LMData",
@@ -108,6 +110,7 @@ __all__ = [
     "load_hf_bert",
     "load_hf_tokenizer",
     "load_lora",
+    "load_model",
     "load_split",
     "load_text",
     "load_tokenizer",
@@ -130,5 +133,6 @@ __all__ = [
     "split_text",
     "token_array",
     "train_tokenizer",
+    "unload_lora",
     "unmerge_lora",
 ]

@@ -133,6 +133,12 @@ _RECIPES = [
              warmup_steps=2000, beta2=0.95, weight_decay=0.1, grad_clip=1.0, eval_interval=1000,
              eval_batches=200, save_interval=1000),
         options={"tokenizer": "bpe", "vocab_size": 50257}),
+    # litgpt's finetune_lora learning rate and schedule, scaled down to runs of minutes; weight decay would
+    # pull a LoRA's B (and a whole model) towards zero rather than towards the pretrained model.
+    Recipe("gpt-finetune", "gpt", None,
+           TrainConfig(max_steps=300, batch_size=16, lr=3e-4, min_lr=3e-5, warmup_steps=20, weight_decay=0.0,
+                       beta2=0.999, grad_clip=1.0, eval_interval=100, save_interval=100, eval_batches=20),
+           {}, "fine-tune a GPT (--init: ours, or a Hugging Face GPT-2 / Llama) on --data, whole or with --lora-r"),
     Recipe("bert-pretrain", "bert-mlm", BertConfig.from_preset("tiny"),
            TrainConfig(max_steps=1000, batch_size=32, lr=1e-3, min_lr=1e-4, warmup_steps=100,
                        weight_decay=0.01, beta2=0.999, eval_interval=250, eval_batches=10,

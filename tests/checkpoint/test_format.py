@@ -75,6 +75,23 @@ def test_round_trip_restores_weights_configs_and_trainer_state(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_an_adapter_checkpoint_holds_part_of_a_model_and_loads_only_with_its_names(tmp_path):
+    net, _ = trained_net()
+    part = {"proj.weight": net.proj.weight, "counter": net.counter}
+    adapter = {"lora": {"r": 2}, "base": {"init": "x", "path": "/x", "sha256": "0" * 64}}
+    save_checkpoint(tmp_path / "ckpt", model=part, family="tied", model_config=MODEL_CONFIG, adapter=adapter)
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert loaded.adapter == adapter
+    with pytest.raises(CheckpointError, match="holds only the LoRA adapter of a model"):
+        loaded.restore_model(TiedNet())
+    with pytest.raises(CheckpointError, match=r"missing proj\.bias"):
+        loaded.restore_model(TiedNet(), names=["proj.weight", "proj.bias", "counter"])
+    fresh = TiedNet()
+    loaded.restore_model(fresh, names=["proj.weight", "counter"])
+    assert torch.equal(fresh.proj.weight, net.proj.weight)
+    assert load_checkpoint(save(tmp_path / "whole", net)).adapter is None
+
+
 def test_tied_weights_are_stored_once_and_tied_again_after_load(tmp_path):
     net, _ = trained_net()
     save(tmp_path / "ckpt", net)

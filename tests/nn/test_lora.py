@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.nn.lora import LoRALinear, lora_layers
+from plainformer.nn.linear import Linear
+from plainformer.nn.lora import LoRALinear, adapter_state_names, lora_layers
 
 
 def _gpt(**changes) -> pf.GPT:
@@ -137,7 +138,8 @@ def test_the_encoder_decoder_and_bert_adapt_their_projections():
     (lambda m: pf.add_lora(m, alpha=-1.0), ValueError, "alpha must be"),
     (lambda m: pf.add_lora(m, dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
     (lambda m: pf.add_lora(m, targets=("q_proj",)), ValueError, "'q_proj' are not LoRA targets; choose from W_q"),
-    (lambda m: pf.add_lora(m, targets="W_q"), TypeError, "targets must be a non-empty sequence"),
+    (lambda m: pf.add_lora(m, targets="W_q"), TypeError, "targets and trainable must be sequences of names"),
+    (lambda m: pf.add_lora(m, targets=()), ValueError, "targets must name at least one of W_q"),
     (lambda m: pf.add_lora(m, targets=("W_3",)), ValueError, "no linear layer of GPT is named W_3"),
     (lambda m: pf.add_lora(pf.add_lora(m)), ValueError, "already has LoRA layers"),
 ])
@@ -156,3 +158,34 @@ def test_the_stacked_weights_of_moe_experts_are_refused():
     with pytest.raises(ValueError, match=r"blocks.0.ff.W_1 stacks the weights of every expert"):
         pf.add_lora(model, targets=("W_q", "W_1"))
     pf.add_lora(model, targets=("W_q", "W_v"))  # attention only: fine
+
+
+def test_unload_merges_and_gives_back_plain_linears_with_the_base_names():
+    model = pf.add_lora(_gpt().double(), r=2, targets=("W_q", "W_v", "W_2"))
+    _randomize_b(model)
+    idx = _tokens()
+    with torch.no_grad():
+        adapted = model(idx)[0]
+        pf.unload_lora(model)
+        unloaded = model(idx)[0]
+    assert not lora_layers(model) and set(model.state_dict()) == set(_gpt().state_dict())
+    assert type(model.blocks[0].self_attn.W_q) is Linear
+    torch.testing.assert_close(unloaded, adapted, rtol=0, atol=1e-10)
+
+
+def test_the_config_round_trips_through_json_and_checks_its_fields():
+    config = pf.LoRAConfig(r=4, alpha=8.0, targets=["W_q", "W_o"], trainable=("classifier",))
+    assert config.targets == ("W_q", "W_o") and pf.LoRAConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="targets: 'W_x' are not LoRA targets"):
+        pf.LoRAConfig(targets=("W_x",))
+    with pytest.raises(TypeError, match="trainable must be a tuple of names"):
+        pf.LoRAConfig(trainable=("", 3))
+
+
+def test_what_a_lora_run_saves_is_its_trainable_parameters_and_persistent_buffers():
+    model = pf.add_lora(_gpt(n_experts=4, top_k=2, activation="swiglu"), r=2, trainable=("norm",))
+    names = adapter_state_names(model)
+    assert {n for n in names if "lora_" not in n and "norm" not in n} == {"blocks.0.ff.expert_bias",
+                                                                           "blocks.1.ff.expert_bias"}
+    assert all(model.get_parameter(n).requires_grad for n in names if "expert_bias" not in n)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if n not in names)

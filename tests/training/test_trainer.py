@@ -312,7 +312,7 @@ def test_resume_from_a_loaded_checkpoint_reads_and_verifies_it_no_more_and_conti
     train(tmp_path / "b", max_steps=4, decay_steps=8)
     loaded = load_checkpoint(tmp_path / "b" / "last")
     hashed = []
-    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path))
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path))
     monkeypatch.setattr(trainer_module, "load_checkpoint", lambda *a, **k: pytest.fail("read the checkpoint again"))
     trainer = Trainer(fresh_model(seed=99), CountingTokens(), small_config(max_steps=8, decay_steps=8),
                       tmp_path / "b", resume=loaded, progress=False)

@@ -1,8 +1,10 @@
 """One checkpoint format for every model family: a directory of safetensors and JSON, never a pickle.
 
     DIR/
-      config.json             {"format_version", "family", "model": {...}, "train": {...}}
-      model.safetensors       the state dict; tied weights stored once, aliases in its metadata
+      config.json             {"format_version", "family", "model": {...}, "train": {...}, "adapter"?}
+      model.safetensors       the state dict; tied weights stored once, aliases in its metadata.
+                              A LoRA run's ("adapter" says how, and names the base model by path and
+                              sha256) holds only what training changes: the adapter and what stays trainable
       tokenizer.json (+ ...)  whatever `tokenizer.save(DIR)` writes
       optimizer.safetensors   optimizer state tensors, keyed "state.{param_index}.{name}"
       optimizer.json          the optimizer's param_groups (hyperparameters) and non-tensor state
@@ -26,11 +28,10 @@ or mismatched file gives a `CheckpointError` naming the file and field, never a 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 from ..config import Config
 from ..data.tokenizers import load_tokenizer
 from ..files.atomic import atomic_directory, reporting_full_disk, surviving
+from ..files.digest import MANIFEST, sha256_file
 from ..files.json_file import read_json
 from .errors import CheckpointError, check_like
 from .optimizer_state import flatten_optimizer_state, optimizer_state_dict
@@ -57,7 +59,6 @@ OPTIMIZER = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng_state.safetensors"
-MANIFEST = "manifest.json"
 _OWN_FILES = (CONFIG, MODEL, OPTIMIZER, OPTIMIZER_META, TRAINER_STATE, RNG_STATE, MANIFEST)
 
 _ALIASES_KEY = "plainformer.aliases"
@@ -70,7 +71,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[
                     model_config: Mapping[str, Any], train_config: Mapping[str, Any] | None = None,
                     tokenizer: Any = None, optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
                     trainer_state: Mapping[str, Any] | None = None,
-                    rng_states: Sequence[tuple[dict[str, Tensor], dict[str, Any]]] | None = None) -> Path:
+                    rng_states: Sequence[tuple[dict[str, Tensor], dict[str, Any]]] | None = None,
+                    adapter: Mapping[str, Any] | None = None) -> Path:
     """Write a checkpoint of `model` (and optionally its tokenizer, optimizer and trainer state) to
     `directory` atomically; returns the directory.
 
@@ -78,7 +80,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[
     best_val_loss, ...); when it is given, the current torch, Python `random` and numpy RNG states are
     saved with it, so that `Checkpoint.restore_rng_state()` continues the random streams exactly.
     A distributed run passes its full state dicts as `model` / `optimizer` and every rank's
-    `capture_rng_state()` as `rng_states` (rank 0 first).
+    `capture_rng_state()` as `rng_states` (rank 0 first). `adapter` (a JSON object) marks `model` as the
+    trained part of a LoRA run on a base model kept elsewhere; it is stored in config.json.
     """
     if not isinstance(model, (nn.Module, Mapping)):
         raise TypeError(f"model must be a torch.nn.Module or a state dict, got {type(model).__name__}")
@@ -88,13 +91,13 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module | Mapping[
     with reporting_full_disk(target, "checkpoint"), atomic_directory(target) as tmp:
         _write_contents(tmp, model=model, family=family, model_config=model_config,
                         train_config=train_config, tokenizer=tokenizer, optimizer=optimizer,
-                        trainer_state=trainer_state, rng_states=rng_states)
+                        trainer_state=trainer_state, rng_states=rng_states, adapter=adapter)
         _write_manifest(tmp)
     return target
 
 
 def _write_contents(tmp: Path, *, model, family, model_config, train_config, tokenizer, optimizer,
-                    trainer_state, rng_states) -> None:
+                    trainer_state, rng_states, adapter) -> None:
     if tokenizer is not None:
         # First, so that a tokenizer writing a file of ours (config.json, ...) is caught, not overwritten.
         tokenizer.save(tmp)
@@ -103,7 +106,8 @@ def _write_contents(tmp: Path, *, model, family, model_config, train_config, tok
             raise ValueError(f"tokenizer.save wrote {', '.join(clashes)}, which the checkpoint "
                              "format reserves for itself")
     _write_json(tmp / CONFIG, {"format_version": FORMAT_VERSION, "family": family,
-                               "model": dict(model_config), "train": dict(train_config or {})})
+                               "model": dict(model_config), "train": dict(train_config or {}),
+                               **({"adapter": dict(adapter)} if adapter is not None else {})})
     tensors, aliases = _dedupe_shared(model.state_dict() if isinstance(model, nn.Module) else model)
     save_file(tensors, tmp / MODEL, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
     if optimizer is not None:
@@ -153,16 +157,8 @@ def _dedupe_shared(state_dict: Mapping[str, Tensor]) -> tuple[dict[str, Tensor],
     return tensors, aliases
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_manifest(tmp: Path) -> None:
-    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+    files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
 
@@ -181,6 +177,7 @@ class Checkpoint:
     state_dict: dict[str, Tensor]
     trainer_state: dict[str, Any] | None
     format_version: int = FORMAT_VERSION
+    adapter: dict[str, Any] | None = None  # a LoRA run's: its LoRA config and base model
 
     @property
     def has_optimizer_state(self) -> bool:
@@ -199,23 +196,32 @@ class Checkpoint:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{self.path / CONFIG}: '{part}' does not fit {config_cls.__name__}: {e}") from None
 
-    def restore_model(self, model: ModuleT, *, prefix: str = "") -> ModuleT:
-        """Load the weights into `model`, checked by `model_state_dict`."""
+    def restore_model(self, model: ModuleT, *, prefix: str = "", names: Collection[str] | None = None
+                      ) -> ModuleT:
+        """Load the weights into `model`, checked by `model_state_dict` (with `names`: those only)."""
         try:
-            model.load_state_dict(self.model_state_dict(model, prefix=prefix))
+            model.load_state_dict(self.model_state_dict(model, prefix=prefix, names=names), strict=names is None)
         except RuntimeError as e:
             raise CheckpointError(f"{self.path / MODEL} does not fit {type(model).__name__}: {e}") from None
         return model
 
-    def model_state_dict(self, model: nn.Module, *, prefix: str = "") -> dict[str, Tensor]:
+    def model_state_dict(self, model: nn.Module, *, prefix: str = "",
+                         names: Collection[str] | None = None) -> dict[str, Tensor]:
         """The saved weights, checked against `model`: every name must match, with the model's shape,
         and a dtype of the same kind (any float into a float tensor; integer and bool tensors exactly).
 
         With `prefix` ("bert." say), only the saved names that start with it are taken, without it:
-        the encoder of a saved task model, leaving out its head."""
+        the encoder of a saved task model, leaving out its head. With `names`, the saved names must be
+        those of the model's state dict (a LoRA run's adapter and what it trains), as they must be for a
+        checkpoint with an `adapter`, which holds only part of a model."""
         where = f"{self.path / MODEL} does not fit {type(model).__name__}"
+        if self.adapter is not None and names is None:
+            raise CheckpointError(f"{self.path} holds only the LoRA adapter of a model whose base config.json "
+                                  "names; load it with pf.load_model or a plainformer command's --ckpt")
         saved = {name[len(prefix):]: t for name, t in self.state_dict.items() if name.startswith(prefix)}
         expected = model.state_dict()
+        if names is not None:
+            expected = {name: expected[name] for name in names}
         missing = sorted(set(expected) - set(saved))
         unexpected = sorted(set(saved) - set(expected))
         if missing or unexpected:
@@ -289,7 +295,8 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
     missing = [key for key in ("format_version", "family", "model") if key not in config]
     if missing:
         raise CheckpointError(f"{path / CONFIG} lacks {', '.join(map(repr, missing))}")
-    for key, kinds in (("format_version", int), ("family", str), ("model", dict), ("train", dict | None)):
+    for key, kinds in (("format_version", int), ("family", str), ("model", dict), ("train", dict | None),
+                       ("adapter", dict | None)):
         _check_field(path / CONFIG, key, config.get(key), kinds)
     if config["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {config['format_version']}; this plainformer "
@@ -300,7 +307,8 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
                               f"got {type(trainer_state).__name__}")
     return Checkpoint(path=path, family=config["family"], model_config=config["model"],
                       train_config=config.get("train") or {}, state_dict=_read_model(path / MODEL),
-                      trainer_state=trainer_state, format_version=config["format_version"])
+                      trainer_state=trainer_state, format_version=config["format_version"],
+                      adapter=config.get("adapter"))
 
 
 def find_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -344,7 +352,7 @@ def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
         if size != entry["size"]:
             raise CheckpointError(f"{file} is truncated or altered: {size} bytes, "
                                   f"{MANIFEST} records {entry['size']}")
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"{file} is corrupted: its sha256 differs from the one in {MANIFEST}")
 
 

@@ -93,6 +93,8 @@ positive_int = _checked(int, "a positive integer", lambda v: v >= 1)
 non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
 seed_int = _checked(int, "a seed, an integer in [0, 2**64)", lambda v: 0 <= v < 2**64)
 non_negative_float = _checked(float, "a finite number >= 0", lambda v: v >= 0)
+positive_float = _checked(float, "a finite number > 0", lambda v: v > 0)
+rate = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 fraction = _checked(float, "a number in (0, 1)", lambda v: 0 < v < 1)
 probability = _checked(float, "a probability in (0, 1]", lambda v: 0 < v <= 1)
 

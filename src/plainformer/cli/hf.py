@@ -4,7 +4,8 @@
     plainformer attention --ckpt RUN --text "..." --out attn.png [--layer L] [--head H]
     plainformer attention --ckpt RUN --source "..." --target "..." --out attn.png   (encoder-decoder)
 
---ckpt takes a checkpoint directory, a run directory (its best/, else last/) or a Hugging Face directory.
+--ckpt takes a checkpoint directory, a run directory (its best/, else last/; a LoRA run's model is its
+adapter on its base) or a Hugging Face directory. export writes a LoRA run's model merged.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 import torch
 
 from .. import families
-from ..checkpoint.format import load_checkpoint
 from ..data.tokenizers import Tokenizer
-from ..families.family import Family, checkpoint_dir
-from ..hf.gpt import is_hf_directory, load_hf, read_hf_config
+from ..families.family import Family
+from ..hf.gpt import read_hf_config
 from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.saved import SavedModel
+from ..nn.lora import unload_lora
 from . import UserError
 
 CKPT_HELP = "checkpoint directory, run directory (its best/, else last/) or Hugging Face directory"
@@ -38,15 +39,8 @@ def load_any(path: Path) -> tuple[SavedModel, Family]:
     and its family."""
     if not path.exists():
         raise UserError(f"--ckpt {path} does not exist")
-    if is_hf_directory(path):
-        model: SavedModel = load_hf(path)
-        return model, families.get(model.family)
-    directory = checkpoint_dir(path)
-    checkpoint = load_checkpoint(directory)
-    if checkpoint.family not in families.FAMILIES:
-        raise UserError(f"{directory} holds a {checkpoint.family!r} model, which this command does not handle")
-    family = families.get(checkpoint.family)
-    return family.model.from_loaded(checkpoint), family
+    model = families.load_model(path)
+    return model, families.get(model.family)
 
 
 # ----------------------------------------------------------------------------- export
@@ -64,6 +58,7 @@ def _register_export(subcommands: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> dict[str, Any]:
     model, family = load_any(args.ckpt)
+    unload_lora(model)  # a LoRA run's model is exported merged, in the base's layout
     tokenizer = model.tokenizer
     if family.export is None:
         raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")

@@ -14,6 +14,7 @@ import torch
 from ..families.family import checkpoint_dir
 from ..families.gpt import load_language_model
 from ..generation.decoding import iter_generate
+from ..nn.lora import unload_lora
 from . import (
     UserError,
     add_dtype_argument,
@@ -47,6 +48,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_language_model(checkpoint_dir(args.ckpt), args.dtype)
+    unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if prompt.shape[1] == 0:
         raise UserError("--prompt encodes to no tokens; give at least one character")

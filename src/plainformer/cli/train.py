@@ -1,5 +1,8 @@
 """`plainformer train` (any family) and `plainformer finetune`: run a recipe of `plainformer.recipes`.
 
+`finetune` runs the fine-tuning recipes, whose model comes from `--init` (default preset: the one for
+--init's family, gpt-finetune or bert-finetune); `--lora-r` trains a LoRA adapter instead of every weight.
+
 A value comes from, in increasing priority: the recipe named by `--preset`, the `--config FILE`
 (YAML or JSON, the keys of the flags: `n_layers: 2` or `n-layers: 2`), the command line. The
 resolved recipe is written to OUT/recipe.yaml, so `plainformer train --config OUT/recipe.yaml`
@@ -28,11 +31,13 @@ from .. import families, recipes
 from ..checkpoint.format import load_checkpoint
 from ..config import Config, check_field_type
 from ..data.seq2seq import TASKS
-from ..families.family import RECIPE_FILE, Family, Run, plain
+from ..families.family import FINE_TUNING_OPTIONS, RECIPE_FILE, Family, Run, plain
+from ..families.finetuning import base_family
+from ..nn.lora import TARGETS
 from ..training.config import TrainConfig
 from ..training.distributed import current_launch
 from ..training.precision import matmul_rate, resolve_dtype
-from . import UserError, add_config_arguments, field_type, positive_int, set_threads, utf8_text
+from . import UserError, add_config_arguments, field_type, positive_float, positive_int, rate, set_threads, utf8_text
 
 #: The trained families' model configs, each once.
 MODEL_CONFIGS: tuple[type[Config], ...] = tuple(dict.fromkeys(f.config for f in families.trained()))
@@ -60,8 +65,15 @@ OPTIONS: Mapping[str, Mapping[str, Any]] = {
                       help="tokens per example (a window of text, a line)"),
     "task": dict(choices=list(TASKS), help="built-in sequence-to-sequence task"),
     "init": dict(metavar="MODEL", help=(
-        "model to fine-tune: minilm, a Hugging Face BERT directory, or a plainformer BERT checkpoint "
-        "or run directory (e.g. runs/bert-pretrain)")),
+        "the model to fine-tune: a plainformer checkpoint or run directory (e.g. runs/default), a Hugging "
+        "Face GPT-2, Llama or BERT directory, or minilm")),
+    "lora_r": dict(type=positive_int, metavar="R", help=(
+        "train a rank-R LoRA adapter (the run keeps it and a reference to --init), not every weight")),
+    "lora_alpha": dict(type=positive_float, metavar="ALPHA", help="LoRA's α: the update is scaled by α / r "
+                                                                  "(default: 16)"),
+    "lora_dropout": dict(type=rate, metavar="P", help="dropout on the input of LoRA's A (default: 0)"),
+    "lora_targets": dict(metavar="NAMES", help=(
+        f"the layers LoRA adapts, comma-separated, of {','.join(TARGETS)} (default: W_q,W_v)")),
     "plays": dict(nargs="+", metavar="TITLE",
                     help="two or more titles from corpus/works.tsv"),
     "threads": dict(type=positive_int, metavar="INT",
@@ -89,8 +101,9 @@ def _model_fields() -> dict[str, list[type[Config]]]:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, *, default_preset: str,
-                        taken: tuple[str, ...] | None = None) -> None:
-    """`train`'s flags; `taken`: the families whose recipes the command trains (default: all)."""
+                        fine_tuning: bool = False) -> None:
+    """`train`'s flags; `fine_tuning`: the command runs only fine-tuning recipes (`finetune`), by
+    default the one for --init's family."""
     parser.add_argument("--preset", metavar="NAME", help=(
         f"the recipe (model and training) of plainformer.recipes: {', '.join(recipes.names())} "
         f"(default: {default_preset})"))
@@ -114,7 +127,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, default_preset: str,
             model, config_cls, skip=seen | data_fields(config_cls) | set(OPTIONS),
             help=lambda name: "[" + ", ".join(c.__name__ for c in owners[name]) + "]"))
     add_config_arguments(parser, TrainConfig, title="training: TrainConfig fields")
-    parser.set_defaults(run=lambda args: run_train(args, default_preset, taken))
+    parser.set_defaults(run=lambda args: run_train(args, default_preset, fine_tuning))
 
 
 def recipe_keys() -> set[str]:
@@ -132,11 +145,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                     "JSON line of metrics.")
     add_train_arguments(train, default_preset="default")
     finetune = subcommands.add_parser(
-        "finetune", help="fine-tune a pretrained BERT (--init) to classify lines", epilog=epilog,
+        "finetune", help="fine-tune a pretrained model (--init), whole or with LoRA (--lora-r)", epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="`train` for fine-tuning recipes (default: bert-finetune): which of --plays a line "
-                    "of dialogue comes from; reports validation accuracy against the majority class.")
-    add_train_arguments(finetune, default_preset="bert-finetune", taken=("bert-cls",))
+        description="`train` for the fine-tuning recipes, by default the one for --init's family: "
+                    "gpt-finetune (a GPT on your --data text) or bert-finetune (a BERT, default MiniLM, "
+                    "classifying which of --plays a line of dialogue comes from). --lora-r R trains a "
+                    "rank-R LoRA adapter, kept in the run with a reference to --init (path and sha256), "
+                    "instead of every weight. Ends with one JSON line of metrics.")
+    add_train_arguments(finetune, default_preset="bert-finetune", fine_tuning=True)
 
 
 # ----------------------------------------------------------------------------- config files
@@ -240,12 +256,18 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _check_applicable(given: Mapping[str, Any], family: Family, preset: str) -> None:
+def _check_applicable(given: Mapping[str, Any], family: Family, preset: str, fine_tuning: bool) -> None:
     fields = {f.name for f in dataclasses.fields(family.config)}
     for key in given:
         if key in OPTIONS and key not in family.options:
             raise UserError(f"--{key.replace('_', '-')} applies to {', '.join(option_families(key))} "
                             f"recipes, not to {preset!r} ({family.name})")
+        if key in FINE_TUNING_OPTIONS and not fine_tuning:
+            raise UserError(f"--{key.replace('_', '-')} applies to the fine-tuning recipes "
+                            f"({', '.join(fine_tuning_recipes())}), not to {preset!r}, which trains from scratch")
+        if key in ("tokenizer", "vocab_size") and fine_tuning:
+            raise UserError(f"--{key.replace('_', '-')} does not apply to fine-tuning ({preset!r}): the "
+                            "tokenizer is --init's")
         if key in _model_fields() and key not in fields:
             raise UserError(f"--{key.replace('_', '-')} is not a field of {family.config.__name__}, the "
                             f"model of {preset!r}")
@@ -276,20 +298,40 @@ def _tie_schedule(train: dict[str, Any], given_train: Mapping[str, Any], model: 
         train["schedule_d_model"] = model.d_model
 
 
-def resolve(args: argparse.Namespace, default_preset: str, taken: tuple[str, ...] | None = None) -> Run:
+def fine_tuning_recipes() -> list[str]:
+    return [name for name, recipe in recipes.RECIPES.items() if recipe.model is None]
+
+
+def _fine_tuning_preset(init: Any, default_preset: str) -> str:
+    """finetune's default recipe: the first fine-tuning recipe of --init's family."""
+    if not isinstance(init, str):
+        return default_preset
+    family = base_family(init)
+    found = [name for name in fine_tuning_recipes() if recipes.get(name).family.startswith(family)]
+    if not found:
+        raise UserError(f"--init {init} holds a {family} model, which no fine-tuning recipe takes "
+                        f"({', '.join(fine_tuning_recipes())})")
+    return found[0]
+
+
+def resolve(args: argparse.Namespace, default_preset: str, fine_tuning: bool = False) -> Run:
     """The run that `args` describe: fresh, or resumed from OUT/last (written once for every family)."""
     given = _given(args)
+    if fine_tuning and "preset" not in given and not args.resume:
+        given["preset"] = _fine_tuning_preset(given.get("init"), default_preset)
     out = given.pop("out", None) or Path("runs") / given.get("preset", default_preset)
     saved = read_run_recipe(out) if args.resume else {}
     if "preset" in given and "preset" in saved:
         refuse_changes("run", {"preset": saved["preset"]}, {"preset": given["preset"]})
     preset = given.pop("preset", None) or saved.get("preset") or default_preset
     recipe = recipes.get(preset)
-    if taken is not None and recipe.family not in taken:
-        raise UserError(f"preset {preset!r} trains a {recipe.family} model; this command takes "
-                        f"{', '.join(recipes.names(taken[0]) if len(taken) == 1 else taken)}")
+    if fine_tuning and recipe.model is not None:
+        raise UserError(f"preset {preset!r} trains a {recipe.family} model from scratch; finetune takes "
+                        f"{', '.join(fine_tuning_recipes())} (or use plainformer train)")
     family = families.get(recipe.family)
-    _check_applicable(given, family, preset)
+    _check_applicable(given, family, preset, recipe.model is None)
+    if recipe.model is None and not args.resume and not (given.get("init") or recipe.options.get("init")):
+        raise UserError(f"preset {preset!r} fine-tunes the model of --init MODEL: give it")
     model_given, train_given, options_given = _split(given, family)
     if recipe.model is None and set(model_given) - set(family.finetune_fields):
         raise UserError(f"fine-tuning keeps the shape of --init; of the model fields only "
@@ -343,9 +385,8 @@ def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Re
 
 # ----------------------------------------------------------------------------- running
 
-def run_train(args: argparse.Namespace, default_preset: str, taken: tuple[str, ...] | None = None
-              ) -> dict[str, Any]:
-    run = resolve(args, default_preset, taken)
+def run_train(args: argparse.Namespace, default_preset: str, fine_tuning: bool = False) -> dict[str, Any]:
+    run = resolve(args, default_preset, fine_tuning)
     set_threads(run.options.get("threads"))
     assert run.spec.train is not None  # a recipe's family trains
     return run.spec.train(run)

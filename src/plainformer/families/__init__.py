@@ -7,8 +7,15 @@ recipe options, train, evaluate, Hugging Face export) and one entry in `FAMILIES
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from ..checkpoint.format import load_checkpoint
+from ..hf.gpt import is_hf_directory, load_hf
+from ..models.saved import SavedModel
 from .bert import BERT_CLS_FAMILY, BERT_FAMILY, BERT_MLM_FAMILY
-from .family import Family
+from .family import Family, checkpoint_dir
+from .finetuning import load_trained
 from .gpt import GPT_FAMILY
 from .transformer import TRANSFORMER_FAMILY
 
@@ -26,3 +33,19 @@ def get(name: str) -> Family:
 def trained() -> list[Family]:
     """The families that recipes train, in registry order."""
     return [family for family in FAMILIES.values() if family.train is not None]
+
+
+def load_model(path: str | os.PathLike) -> SavedModel:
+    """The model, in eval mode with its tokenizer as `.tokenizer`, of a plainformer checkpoint or run
+    directory (its best/, else last/; a LoRA run's adapter on the base it names, checked by sha256) or of
+    a Hugging Face GPT-2, Llama or BERT directory. Its family: `get(model.family)`."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}: the directory does not exist")
+    if is_hf_directory(path):
+        return load_hf(path)
+    checkpoint = load_checkpoint(checkpoint_dir(path))
+    if checkpoint.family not in FAMILIES:
+        raise ValueError(f"{checkpoint.path} holds a {checkpoint.family!r} model; plainformer knows "
+                         f"{', '.join(FAMILIES)}")
+    return load_trained(checkpoint, FAMILIES[checkpoint.family])

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassifica
 from ..training.config import TrainConfig
 from ..training.distributed import log
 from ..training.evaluation import accuracy, mean_loss
-from .family import Family, Run, checkpoint_dir, fit
+from .family import FINE_TUNING_OPTIONS, Family, Run, checkpoint_dir, fit
+from .finetuning import load_trained, starting_model
 
 
 def model_location(name: str) -> str | Path:
@@ -82,30 +84,35 @@ def pretrain(run: Run) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- finetune
 
-def _finetune_model(run: Run, n_labels: int) -> tuple[BertForSequenceClassification, Any]:
-    if run.checkpoint is not None:  # resuming
-        config = run.model_config(BertConfig)
-        if config.n_labels != n_labels:
-            raise UserError(f"--resume continues a model of {config.n_labels} classes, not {n_labels}")
-        return BertForSequenceClassification(config), run.checkpoint.load_tokenizer()
-    bert, tokenizer = load_bert(model_location(run.options["init"]))
-    model = BertForSequenceClassification(bert.config.replace(n_labels=n_labels, **run.model_overrides))
+def classifier_from_base(directory: Path, changes: Mapping[str, Any]) -> BertForSequenceClassification:
+    """A classifier on the encoder of `directory` (a Hugging Face BERT, MiniLM's, or a plainformer BERT
+    checkpoint of any head), its config changed by `changes` (n_labels, say); the head is new."""
+    bert, tokenizer = load_bert(directory)
+    model = BertForSequenceClassification(bert.config.replace(**changes))
     model.bert.load_state_dict(bert.state_dict())
-    return model, tokenizer
+    model.tokenizer = tokenizer
+    return model
 
 
 def finetune(run: Run) -> dict[str, Any]:
     """`plainformer finetune`: which of options["plays"] a line of dialogue comes from (lines split by
-    text, none in two splits); validation accuracy against the majority-class baseline."""
+    text, none in two splits); validation accuracy against the majority-class baseline. Every weight
+    trains, or with --lora-r the LoRA adapter and the classifier."""
     task = play_lines_task(run.options["plays"])
     torch.manual_seed(run.train.seed)
-    model, tokenizer = _finetune_model(run, len(task.classes))
+    model, adapter = starting_model(run, n_labels=len(task.classes))
+    assert isinstance(model, BertForSequenceClassification)  # the family's
+    if model.config.n_labels != len(task.classes):
+        raise UserError(f"--resume continues a model of {model.config.n_labels} classes, not {len(task.classes)}")
+    tokenizer = model.tokenizer
+    if not isinstance(tokenizer, WordPieceTokenizer):
+        raise UserError(f"{run.options['init']} holds no WordPiece tokenizer to encode the task's lines with")
     source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train.seed)
     val_batches = source.num_batches("val", _eval_batch_size(run))
     train_config = run.train.replace(eval_batches=val_batches)  # the whole validation set
     log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
         f"validation lines; model from {run.options['init']} -> {run.out}")
-    metrics = fit(run, model, source, tokenizer, train_config)
+    metrics = fit(run, model, source, tokenizer, train_config, adapter)
     val_accuracy = accuracy(model, source, val_batches, _eval_batch_size(run))
     baseline = task.majority_baseline("val")
     log(f"validation accuracy {val_accuracy:.4f} (majority class: {baseline:.4f})")
@@ -142,7 +149,8 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
     if "plays" not in recipe:
         raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
     saved = load_checkpoint(checkpoint)
-    model = BertForSequenceClassification.from_loaded(saved)
+    model = load_trained(saved, BERT_CLS_FAMILY)
+    assert isinstance(model, BertForSequenceClassification)  # the family's
     task = play_lines_task(recipe["plays"])
     batch_size, seed, _ = _saved_batching(args, saved)
     if not isinstance(model.tokenizer, WordPieceTokenizer):
@@ -170,5 +178,6 @@ BERT_MLM_FAMILY = Family(
     eval_options=("data",), export=export_encoder)
 BERT_CLS_FAMILY = Family(
     name="bert-cls", model=BertForSequenceClassification, config=BertConfig, data_fields=_BERT_FIELDS,
-    options=("seq_len", "init", "plays", "threads"), train=finetune, evaluate=evaluate_classifier,
-    finetune_fields=("dropout", "attention_dropout"), export=export_encoder)
+    options=("seq_len", "plays", "threads", *FINE_TUNING_OPTIONS), train=finetune, evaluate=evaluate_classifier,
+    finetune_fields=("dropout", "attention_dropout"), from_base=classifier_from_base, head=("classifier",),
+    export=export_encoder)

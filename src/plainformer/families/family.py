@@ -26,6 +26,10 @@ from ..training.distributed import log
 from ..training.trainer import Trainer
 
 RECIPE_FILE = "recipe.yaml"
+#: The recipe options of LoRA, each the LoRAConfig field after "lora_".
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+#: The options only a fine-tuning recipe (whose model comes from --init) takes.
+FINE_TUNING_OPTIONS = ("init", *LORA_OPTIONS)
 ConfigT = TypeVar("ConfigT", bound=Config)
 
 #: `plainformer eval`'s computation for a family: (the parsed flags, the run directory, the checkpoint
@@ -45,6 +49,9 @@ class Family:
     evaluate, eval_options: `plainformer eval` of its checkpoints, and the eval flags that apply.
     finetune_fields: for fine-tuning recipes (whose model comes from `init`), the only model fields
         that may be given.
+    from_base: for fine-tuning, the family's model with the weights of a pretrained model's directory
+        (its own or a Hugging Face one) and the given config changes, with `.tokenizer`; `head`: the name
+        patterns of the parameters a LoRA run trains besides the adapter (a classifier's).
     export: its Hugging Face layout, None when it has none.
     positions: the config field that bounds a text's length; cross_attention: whether `attention`
         plots an encoder-decoder's cross-attention (else self-attention).
@@ -59,6 +66,8 @@ class Family:
     evaluate: Evaluator | None = None
     eval_options: tuple[str, ...] = ()
     finetune_fields: tuple[str, ...] = ()
+    from_base: Callable[[Path, Mapping[str, Any]], SavedModel] | None = None
+    head: tuple[str, ...] = ()
     export: Exporter | None = None
     positions: str = "max_len"
     cross_attention: bool = False
@@ -117,7 +126,8 @@ class Run:
         else:
             assert self.model is not None  # only a fine-tuning recipe leaves the model to --init
             model = {k: v for k, v in self.model.to_dict().items() if k not in self.spec.data_fields}
-        options = {name: self.options.get(name) for name in self.spec.options}
+        options = {name: self.options.get(name) for name in self.spec.options
+                   if self.fine_tuning or name not in FINE_TUNING_OPTIONS}
         return plain({"preset": self.preset, **options, **model, **self.train.to_dict()})
 
     def write_recipe(self) -> Path:
@@ -149,17 +159,20 @@ def run_and_checkpoint(path: Path) -> tuple[Path, Path]:
     return (path if checkpoint != path else path.parent), checkpoint
 
 
-def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None
-        ) -> dict[str, Any]:
+def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None,
+        adapter: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Train `model` as `run` says, once the data and the model are ready: the recipe is written
     to OUT/recipe.yaml first, so that a run that stops early can still be repeated, and only once the
-    run directory is locked, so that a run refused by the lock leaves the owner's recipe alone."""
+    run directory is locked, so that a run refused by the lock leaves the owner's recipe alone.
+    `adapter`: a LoRA run's record (`Trainer`). The metrics gain the model's parameters, all and trainable."""
     trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer,
-                      resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress)
+                      resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
+                      adapter=adapter)
 
     def on_locked() -> None:
         if run.shape_note is not None:
             log(run.shape_note)
         log(f"recipe {run.preset} ({run.family}) -> {run.write_recipe()}")
 
-    return trainer.fit(on_locked=on_locked)
+    return {**trainer.fit(on_locked=on_locked), "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}

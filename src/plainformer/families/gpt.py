@@ -1,36 +1,44 @@
 """The GPT language model family: trained on a text corpus through its tokenizer (char or byte-level
-BPE), evaluated by its next-token loss over a whole validation split, exported in the GPT-2 or Llama
-layout of Hugging Face."""
+BPE), or fine-tuned from a pretrained GPT (ours, or Hugging Face's GPT-2 or Llama) on your text, whole
+or through LoRA; evaluated by its next-token loss over a whole validation split, exported in the GPT-2
+or Llama layout of Hugging Face."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..checkpoint.format import load_checkpoint
 from ..data.lm import LMBatchSource
 from ..data.prepared import prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..errors import UserError
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
 from ..models.gpt import GPT, GPTConfig
+from ..nn.lora import unload_lora
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
-from .family import Family, Run, fit
+from .family import FINE_TUNING_OPTIONS, Family, Run, fit
+from .finetuning import load_trained, starting_model
 
 DEFAULT_BPE_VOCAB = 2048
 
 
 def train(run: Run) -> dict[str, Any]:
-    """`plainformer train` for a GPT recipe: the data of options["data"] through its tokenizer."""
+    """`plainformer train` for a GPT recipe: the data of options["data"] through its tokenizer; a
+    fine-tuning recipe's model (and tokenizer) come from options["init"]."""
     options = run.options
     sources: dict[str, Any] = dict(val_path=options.get("val_data"),
                                    text_field=options.get("text_field") or "text", progress=run.progress,
                                    log=log)
+    if run.fine_tuning:
+        return _fine_tune(run, sources)
     if run.checkpoint is not None:  # resuming
         data = prepare_lm_data(options.get("data"), tokenizer=run.checkpoint.load_tokenizer(), **sources)
         model_config = run.model_config(GPTConfig)
@@ -42,22 +50,60 @@ def train(run: Run) -> dict[str, Any]:
         vocab_size = (options.get("vocab_size") or DEFAULT_BPE_VOCAB) if kind == "bpe" else None
         data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size, **sources)
         model_config = run.model_config(GPTConfig).replace(vocab_size=data.tokenizer.vocab_size)
-    source = LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
-                           seed=run.train.seed)
-    log(f"data: {len(data.train_tokens):,} train / {len(data.val_tokens):,} validation tokens, "
-        f"{data.tokenizer.kind} tokenizer of {data.tokenizer.vocab_size} tokens")
+    _log_data(data)
     torch.manual_seed(run.train.seed)
     model = GPT(model_config)
     log(f"model: GPT {run.preset}, {model.num_parameters():,} parameters -> {run.out}")
-    metrics = fit(run, model, source, data.tokenizer)
+    return _fit(run, model, LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
+                                          seed=run.train.seed), data.tokenizer)
+
+
+def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:
+    """A pretrained GPT (options["init"]) on the text of options["data"], through its own tokenizer:
+    every weight, or with --lora-r only the LoRA adapter."""
+    torch.manual_seed(run.train.seed)  # the adapter's A
+    model, adapter = starting_model(run)
+    assert isinstance(model, GPT) and model.tokenizer is not None  # from_base and checkpoints give both
+    data = prepare_lm_data(run.options.get("data"), tokenizer=model.tokenizer, **sources)
+    _log_data(data)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"model: GPT from {run.options['init']}, "
+        f"{model.num_parameters():,} parameters, {trainable:,} trained "
+        f"({'LoRA r=' + str(adapter['lora']['r']) if adapter else 'all'}) -> {run.out}")
+    source = LMBatchSource(data.train_tokens, data.val_tokens, model.config.block_size, seed=run.train.seed)
+    return _fit(run, model, source, data.tokenizer, adapter)
+
+
+def _log_data(data: Any) -> None:
+    log(f"data: {len(data.train_tokens):,} train / {len(data.val_tokens):,} validation tokens, "
+        f"{data.tokenizer.kind} tokenizer of {data.tokenizer.vocab_size} tokens")
+
+
+def _fit(run: Run, model: GPT, source: LMBatchSource, tokenizer: Tokenizer,
+         adapter: dict[str, Any] | None = None) -> dict[str, Any]:
+    metrics = fit(run, model, source, tokenizer, adapter=adapter)
     log(f"checkpoints in {run.out}/last and {run.out}/best; sample with: plainformer sample --ckpt {run.out}")
-    return {**metrics, "parameters": model.num_parameters(), "out": str(run.out)}
+    return {**metrics, "out": str(run.out)}
+
+
+def from_base(directory: Path, changes: Mapping[str, Any]) -> GPT:
+    """The GPT of `directory` (a checkpoint, a LoRA run's merged, or a Hugging Face GPT-2 / Llama) with
+    its tokenizer, its config changed by `changes`."""
+    base, tokenizer = load_language_model(directory)
+    unload_lora(base)
+    config = base.config.replace(**changes)
+    if config == base.config:
+        return base
+    model = GPT(config)
+    model.load_state_dict(base.state_dict())
+    model.tokenizer = tokenizer
+    return model
 
 
 def load_language_model(path: Path, dtype: str = "float32") -> tuple[GPT, Tokenizer]:
-    """The GPT of a checkpoint directory, or of a Hugging Face GPT-2 / Llama directory, and the
-    tokenizer saved with it, in `dtype` ("float32" or "bfloat16")."""
-    model = load_hf(path) if is_hf_directory(path) else GPT.from_checkpoint(path)
+    """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama
+    directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16")."""
+    model = load_hf(path) if is_hf_directory(path) else load_trained(load_checkpoint(path), GPT_FAMILY)
     if not isinstance(model, GPT):
         raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")
     if model.tokenizer is None:
@@ -83,5 +129,6 @@ def export(model: nn.Module, directory: Path, tokenizer: Any) -> None:
 
 GPT_FAMILY = Family(
     name="gpt", model=GPT, config=GPTConfig, data_fields=("vocab_size",),
-    options=("data", "val_data", "text_field", "tokenizer", "vocab_size", "threads"),
-    train=train, evaluate=evaluate, eval_options=("data", "dtype"), export=export, positions="block_size")
+    options=("data", "val_data", "text_field", "tokenizer", "vocab_size", "threads", *FINE_TUNING_OPTIONS),
+    train=train, evaluate=evaluate, eval_options=("data", "dtype"), finetune_fields=("dropout",),
+    from_base=from_base, export=export, positions="block_size")

@@ -50,8 +50,7 @@ def train(run: Run) -> dict[str, Any]:
                                 tokenize=task.bleu_tokenize)
     log(f"test split, greedy: BLEU {scores['bleu']:.2f}, exact match {scores['exact_match']:.2%}; "
         f"evaluate with: plainformer eval --ckpt {run.out} --beam 4")
-    return {**metrics, **{f"test_{k}": v for k, v in scores.items()}, "task": task_name,
-            "parameters": model.num_parameters(), "out": str(run.out)}
+    return {**metrics, **{f"test_{k}": v for k, v in scores.items()}, "task": task_name, "out": str(run.out)}
 
 
 # ----------------------------------------------------------------------------- eval

@@ -9,11 +9,14 @@ base model exactly; dropout (optional) acts on x before A. Merging writes W ← 
 adapted model costs nothing extra per token; unmerging subtracts it again.
 
 `add_lora` swaps the chosen `Linear`s of a model for `LoRALinear`s that share their weight and bias (the
-state dict keeps every base name and gains `NAME.lora_A`, `NAME.lora_B`), and freezes the rest.
+state dict keeps every base name and gains `NAME.lora_A`, `NAME.lora_B`), and freezes the rest;
+`unload_lora` merges them and puts plain `Linear`s back. `LoRAConfig` holds add_lora's arguments, as a
+fine-tuning run records them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
@@ -21,11 +24,46 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _checks
+from ..config import Config, checked, positive, positive_int, probability
 from .linear import Linear, linear
 
 #: The projections LoRA may adapt, by the name of their module: attention, feed-forward, the LM head.
 TARGETS = ("W_q", "W_k", "W_v", "W_o", "W_1", "W_2", "W_3", "lm_head")
+
+
+def _check_names(name: str, value: object, choices: Sequence[str] | None = None) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(item, str) and item for item in value):
+        raise TypeError(f"{name} must be a tuple of names, got {value!r}")
+    unknown = [item for item in value if choices is not None and item not in choices]
+    if unknown:
+        raise ValueError(f"{name}: {', '.join(map(repr, unknown))} are not LoRA targets; choose from "
+                         f"{', '.join(choices or ())}")
+
+
+def _check_targets(name: str, value: object) -> None:
+    _check_names(name, value, TARGETS)
+    if not value:
+        raise ValueError(f"{name} must name at least one of {', '.join(TARGETS)}")
+
+
+@dataclasses.dataclass
+class LoRAConfig(Config):
+    """`add_lora`'s arguments: rank r, α (the update is scaled by α / r), dropout on the input of A, the
+    layers adapted (`targets`, of `TARGETS`) and the name patterns that stay trainable (a task head)."""
+
+    r: int = positive_int(8)
+    alpha: float = positive(16.0)
+    dropout: float = probability(0.0)
+    targets: tuple[str, ...] = checked(("W_q", "W_v"), _check_targets)
+    trainable: tuple[str, ...] = checked((), _check_names)
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the config holds tuples, so that two equal configs compare equal.
+        for name in ("targets", "trainable"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                setattr(self, name, tuple(value))
+        super().__post_init__()
 
 
 class LoRALinear(Linear):
@@ -80,11 +118,10 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     Refused with a ValueError: a target outside `TARGETS`, a target that matches no layer, the stacked
     expert weights of an MoE layer (one (E, d_ff, d) tensor, not a linear layer), a head tied to the
     token embedding (its update would change the embedding too), a model already adapted."""
-    _checks.check_positive_int("r", r)
-    _checks.check_positive_number("alpha", alpha)
-    _checks.check_probability("dropout", dropout)
-    targets = _checked_targets(targets)
-    trainable = tuple(trainable)
+    if isinstance(targets, str) or isinstance(trainable, str):
+        raise TypeError(f"targets and trainable must be sequences of names, not the str {targets!r}")
+    config = LoRAConfig(r=r, alpha=alpha, dropout=dropout, targets=tuple(targets), trainable=tuple(trainable))
+    targets, trainable = config.targets, config.trainable
     if lora_layers(model):
         raise ValueError("the model already has LoRA layers; merge_lora or build it again before add_lora")
     chosen = [(name, module) for name, module in model.named_modules()
@@ -101,16 +138,6 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     return model
 
 
-def _checked_targets(targets: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(targets, str) or not targets:
-        raise TypeError(f"targets must be a non-empty sequence of names from {', '.join(TARGETS)}, got {targets!r}")
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        raise ValueError(f"targets {', '.join(map(repr, unknown))} are not LoRA targets; choose from "
-                         f"{', '.join(TARGETS)}")
-    return tuple(targets)
-
-
 def _refuse_stacked_experts(model: nn.Module, targets: tuple[str, ...]) -> None:
     for name, _ in model.named_parameters():
         owner, _, attribute = name.rpartition(".")
@@ -125,6 +152,26 @@ def _refuse_tied(model: nn.Module, name: str, layer: nn.Linear) -> None:
     if others:
         raise ValueError(f"{name}.weight is tied to {others[0]} (tie_weights=True); LoRA on it would change "
                          f"that too: leave {name.rpartition('.')[2]} out of targets or untie the weights")
+
+
+def unload_lora(model: nn.Module) -> nn.Module:
+    """Merge every LoRA layer and put a plain `Linear` of the merged weight (and the bias) in its place:
+    the model as Hugging Face or a state dict of the base names expects it. Returns `model`."""
+    for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        layer.merge()
+        plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight, plain.bias = layer.weight, layer.bias
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, plain)
+    return model
+
+
+def adapter_state_names(model: nn.Module) -> list[str]:
+    """The state-dict names a LoRA run saves: its trainable parameters and the persistent buffers
+    (an MoE router's bias, which training updates); the frozen base weights stay with the base."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    buffers = {name for name, _ in model.named_buffers()}
+    return [name for name in model.state_dict() if name in trainable or name in buffers]
 
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:

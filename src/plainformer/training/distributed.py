@@ -298,13 +298,15 @@ class Distributed:
         state = {index[name]: value for name, value in by_name["state"].items()}
         return {"state": state, "param_groups": groups}
 
-    def load_model_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
-        """Load a full state dict (every rank holds it) into the model, sharding it under FSDP."""
+    def load_model_state_dict(self, state_dict: Mapping[str, Tensor], *, strict: bool = True) -> None:
+        """Load a full state dict (every rank holds it) into the model, sharding it under FSDP; not
+        `strict`: part of one (a LoRA run's adapter)."""
         if self.parallel != "fsdp":
-            self.model.load_state_dict(state_dict)
+            self.model.load_state_dict(state_dict, strict=strict)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(self.model, dict(state_dict), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, dict(state_dict),
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a full optimizer state dict in `torch.optim` layout (every rank holds it)."""

@@ -31,6 +31,7 @@ from ..config import Config
 from ..files.run_lock import run_lock
 from ..nn.attention import check_trainable
 from ..nn.dtypes import at_least_float32
+from ..nn.lora import adapter_state_names
 from ..nn.modes import eval_mode
 from .bookkeeping import InterruptRequest, LogWindow, Stopwatch, keep_metrics_until
 from .config import TrainConfig
@@ -65,13 +66,18 @@ class Trainer:
     checkpoint, already loaded (and verified) by the caller, which is then not read again. Either
     way it must hold the family and model config of the model being trained.
 
+    `adapter` (a JSON object: the LoRA config and the base model's reference) marks a LoRA run: its
+    checkpoints hold only what it trains (`nn.lora.adapter_state_names`), with `adapter` in config.json,
+    and it resumes only from checkpoints of the same adapter.
+
     Launched by torchrun, the trainer joins the process group (unless the caller already did, with
     `distributed.process_group()`) and leaves it when `fit` returns or raises.
     """
 
     def __init__(self, model: nn.Module, source: Any, config: TrainConfig, out_dir: str | os.PathLike,
                  *, family: str | None = None, model_config: Config | Mapping[str, Any] | None = None,
-                 tokenizer: Any = None, resume: bool | Checkpoint = False, progress: bool = True):
+                 tokenizer: Any = None, resume: bool | Checkpoint = False, progress: bool = True,
+                 adapter: Mapping[str, Any] | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(getattr(source, "get_batch", None)):
@@ -97,6 +103,8 @@ class Trainer:
             model_config.to_dict() if isinstance(model_config, Config) else dict(model_config)))
         self.tokenizer = tokenizer
         self.progress = progress
+        self.adapter = None if adapter is None else json.loads(json.dumps(dict(adapter)))
+        self._saved_names = None if adapter is None else adapter_state_names(model)
         self._group = contextlib.ExitStack()
         try:
             self._group.enter_context(process_group())
@@ -137,6 +145,10 @@ class Trainer:
 
     def _restore(self, ckpt: Checkpoint) -> Checkpoint:
         """Continue from `ckpt`, once it is checked to be a checkpoint of this model with a trainer state."""
+        if ckpt.adapter != self.adapter:
+            raise CheckpointError(f"{ckpt.path} holds {'no' if ckpt.adapter is None else 'another'} LoRA "
+                                  f"adapter ({ckpt.adapter}), not the one being trained ({self.adapter}); "
+                                  "resume with the same one")
         if ckpt.family != self.family or ckpt.model_config != self.model_config:
             raise CheckpointError(f"{ckpt.path} holds a {ckpt.family!r} model with config {ckpt.model_config}, "
                                   f"not the {self.family!r} model with config {self.model_config} "
@@ -145,7 +157,8 @@ class Trainer:
             raise CheckpointError(f"{ckpt.path} has no trainer or optimizer state to resume from")
         state = TrainerState.from_checkpoint(ckpt)
         try:
-            self.dist.load_model_state_dict(ckpt.model_state_dict(self.model))
+            self.dist.load_model_state_dict(ckpt.model_state_dict(self.model, names=self._saved_names),
+                                            strict=self._saved_names is None)
         except RuntimeError as e:
             raise CheckpointError(f"{ckpt.path} does not fit {type(self.model).__name__}: {e}") from None
         self.dist.load_optimizer_state_dict(self.optimizer, ckpt.optimizer_state_dict(self.optimizer))
@@ -360,6 +373,8 @@ class Trainer:
     def _save(self, name: str, *, with_optimizer: bool) -> None:
         """Every rank gathers the full state and its RNG state to rank 0, which writes the checkpoint."""
         model_state = self.dist.model_state_dict()
+        if self._saved_names is not None:
+            model_state = {name: model_state[name] for name in self._saved_names}
         optimizer_state = self.dist.optimizer_state_dict(self.optimizer) if with_optimizer else None
         cuda = [self.device.index or 0] if self.device.type == "cuda" and self.dist.world_size > 1 else None
         rng_states = self.dist.gather(capture_rng_state(cuda))
@@ -368,4 +383,4 @@ class Trainer:
         save_checkpoint(
             self.out_dir / name, model=model_state, family=self.family, model_config=self.model_config,
             train_config=self.config.to_dict(), tokenizer=self.tokenizer, optimizer=optimizer_state,
-            trainer_state=self._state().to_dict(), rng_states=rng_states)
+            trainer_state=self._state().to_dict(), rng_states=rng_states, adapter=self.adapter)
