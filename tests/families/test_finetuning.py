@@ -190,3 +190,17 @@ def test_a_bert_classifier_with_lora_trains_the_adapter_and_the_head_only(capsys
     assert metrics["trainable_parameters"] == sum(t.numel() for t in saved.values())
     code, stdout, _ = run_cli(capsys, "eval", "--ckpt", str(tmp_path / "cls"))
     assert code == 0 and last_json(stdout)["val_accuracy"] == metrics["val_accuracy"]
+
+
+def test_a_hugging_face_directory_is_a_base_too(capsys, base, other_text, tmp_path):
+    code, _, _ = run_cli(capsys, "export", "--ckpt", str(base), "--out", str(tmp_path / "hf"))  # a Llama layout
+    assert code == 0
+    finetune(capsys, tmp_path / "hf", other_text, tmp_path / "ft", "--lora-r", "2")
+    config = json.loads((tmp_path / "ft" / "best" / "config.json").read_text())
+    assert config["adapter"]["base"]["path"] == str((tmp_path / "hf").resolve())
+    ours, hf_base = pf.load_model(tmp_path / "ft"), pf.load_model(tmp_path / "hf")
+    ids = torch.tensor([ours.tokenizer.encode("to be")])
+    with torch.no_grad():
+        assert not torch.equal(ours(ids)[0], hf_base(ids)[0])  # B trained away from zero
+        pf.unload_lora(ours)
+    assert ours.state_dict().keys() == hf_base.state_dict().keys()
