@@ -64,6 +64,17 @@ def test_gpt_generate_performs_at_most_one_sync_per_new_token(use_cache):
     assert syncs <= 20 + 1
 
 
+def test_prompts_of_different_lengths_sync_once_per_new_token_at_most():
+    """20 new tokens for 3 left-padded prompts, sampled with a generator each: the prompts' check, then
+    at most one sync per step (none without eos), then one read of every row's tokens."""
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(**TINY_GPT))
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    generators = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    syncs = count_syncs(lambda: model.generate(prompts, 20, temperature=1.0, top_k=10, generator=generators))
+    assert syncs <= 20 + 2
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_iter_generate_with_eos_syncs_once_per_token(temperature):
     """With eos_id the loop asks once per token whether every row has finished; when sampling, the

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plainformer as pf
-from plainformer.generation.decoding import iter_generate
+from plainformer.generation.decoding import generate_prompts, iter_generate, pad_prompts
+from plainformer.generation.stopping import StopStrings
 
 DRAWS = 20_000
 
@@ -174,3 +175,99 @@ def test_without_eos_the_loop_runs_max_new_tokens():
 def test_bad_loop_arguments_are_rejected_naming_them(idx, max_new_tokens, match):
     with pytest.raises(ValueError, match=match):
         next(iter_generate(_Successor(), idx, max_new_tokens))
+
+
+# ----------------------------------------------------------------------------- prompts of different lengths
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def _tiny_gpt(pos_encoding: str) -> pf.GPT:
+    torch.manual_seed(0)
+    return pf.GPT(pf.GPTConfig(vocab_size=23, block_size=12, n_layers=2, n_heads=2, d_model=16, d_ff=32,
+                               pos_encoding=pos_encoding)).eval()
+
+
+def _alone(model, prompt, steps, **options):
+    with torch.no_grad():
+        drawn = list(iter_generate(model.decoder(), torch.tensor([prompt]), steps, **options))
+    return torch.stack([t for t, _ in drawn], dim=1)[0], torch.stack([z for _, z in drawn], dim=1)[0]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
+def test_prompts_of_different_lengths_decode_in_one_batch_as_each_alone(pos_encoding, use_cache):
+    """20 new tokens past block_size 12: every row's window slides on its own, at its own step."""
+    model = _tiny_gpt(pos_encoding)
+    idx, pads = pad_prompts(PROMPTS)
+    with torch.no_grad():
+        drawn = list(iter_generate(model.decoder(), idx, 20, temperature=0, pads=pads, use_cache=use_cache))
+    tokens, logits = torch.stack([t for t, _ in drawn], dim=1), torch.stack([z for _, z in drawn], dim=1)
+    for row, prompt in enumerate(PROMPTS):
+        alone_tokens, alone_logits = _alone(model, prompt, 20, temperature=0)
+        assert torch.equal(tokens[row], alone_tokens)
+        torch.testing.assert_close(logits[row], alone_logits, rtol=0, atol=1e-5)
+
+
+def test_sampling_with_a_generator_per_row_draws_what_each_row_draws_alone():
+    model = _tiny_gpt("rope")
+    idx, pads = pad_prompts(PROMPTS)
+    generators = [torch.Generator().manual_seed(seed) for seed in range(len(PROMPTS))]
+    with torch.no_grad():
+        drawn = [t for t, _ in iter_generate(model.decoder(), idx, 15, top_k=5, pads=pads, generator=generators)]
+    tokens = torch.stack(drawn, dim=1)
+    for row, prompt in enumerate(PROMPTS):
+        alone, _ = _alone(model, prompt, 15, top_k=5, generator=torch.Generator().manual_seed(row))
+        assert torch.equal(tokens[row], alone)
+
+
+class _PaddedSuccessor(_Successor):
+    """_Successor for padded rows: the next token depends on the last one only, so the mask changes nothing."""
+
+    def __call__(self, idx: torch.Tensor, *, kv_caches=None, attention_mask=None):
+        return super().__call__(idx)
+
+
+def test_generate_prompts_ends_each_row_after_its_eos_and_returns_prompt_and_new_tokens():
+    outputs = generate_prompts(_PaddedSuccessor(), [[1, 3], [7], [4, 4, 4]], 20, temperature=0, eos_id=5)
+    assert outputs == [[1, 3, 4, 5], [7, 8, 9, 0, 1, 2, 3, 4, 5], [4, 4, 4, 5]]
+    assert generate_prompts(_Successor(), [[2]], 3, temperature=0) == [[2, 3, 4, 5]]
+
+
+def test_generate_prompts_ends_each_row_at_the_token_that_completes_a_stop_string():
+    stop = StopStrings(lambda ids: "".join(map(str, ids)), ["45", "9"])
+    outputs = generate_prompts(_PaddedSuccessor(), [[1], [6], [2, 2]], 20, temperature=0, stop=stop)
+    assert outputs == [[1, 2, 3, 4, 5], [6, 7, 8, 9], [2, 2, 3, 4, 5]]
+
+
+def test_a_gpt_generates_a_list_of_prompts_as_lists_and_refuses_what_does_not_fit():
+    model = _tiny_gpt("learned")
+    outputs = model.generate(PROMPTS, 6, temperature=0)
+    assert [out[:len(p)] for out, p in zip(outputs, PROMPTS, strict=True)] == PROMPTS
+    assert all(len(out) == len(p) + 6 for out, p in zip(outputs, PROMPTS, strict=True))
+    assert outputs[0] == model.generate(torch.tensor([PROMPTS[0]]), 6, temperature=0)[0].tolist()
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        model.generate(PROMPTS, 2, stop=["x"])
+    with pytest.raises(ValueError, match="give the prompts as a list"):
+        model.generate(torch.tensor([[1, 2]]), 2, stop=["x"])
+    with pytest.raises(ValueError, match=r"idx holds token ids outside \[0, 23\)|vocab"):
+        model.generate([[1, 99]], 2)
+
+
+@pytest.mark.parametrize("prompts, error, match", [
+    ([], TypeError, "non-empty list of token-id lists"),
+    ("abc", TypeError, "non-empty list"),
+    ([[1], []], ValueError, r"prompts\[1\] is empty"),
+    ([[1], ["a"]], TypeError, r"prompts\[1\] must be a list of token ids"),
+    ([torch.zeros(2, 2, dtype=torch.long)], TypeError, r"prompts\[0\] must be a list of token ids or a 1-D"),
+])
+def test_bad_prompts_are_refused_naming_them(prompts, error, match):
+    with pytest.raises(error, match=match):
+        pad_prompts(prompts)
+
+
+def test_pads_and_generators_must_fit_the_batch():
+    with pytest.raises(ValueError, match="pads must give each of the 2 rows"):
+        next(iter_generate(_Successor(), torch.zeros(2, 3, dtype=torch.long), 1, pads=[0, 3]))
+    with pytest.raises(ValueError, match="one per row takes 2 generators, got 1"):
+        next(iter_generate(_Successor(), torch.zeros(2, 3, dtype=torch.long), 1, generator=[torch.Generator()]))

@@ -65,6 +65,45 @@ def test_matches_hugging_face_gpt2_logits_loss_and_gradients_with_copied_weights
         assert_close(parameter.grad, expected_grads[name], f"gradient of {name}")
 
 
+def _left_padded(batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (batch, n) and their mask, True = real token: row b starts after 3 b padding positions."""
+    real = torch.arange(n)[None, :] >= 3 * torch.arange(batch)[:, None]
+    return _tokens(batch, n), real
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_left_padded_rows_match_hugging_face_given_its_attention_mask_and_position_ids(backend):
+    ours, theirs = _gpt_and_hf(backend)
+    idx, real = _left_padded(3, 12)
+    with torch.no_grad():
+        logits = ours(idx, attention_mask=real)[0]
+        expected = theirs(idx, attention_mask=real.long(), position_ids=(real.cumsum(1) - 1).clamp_min(0)).logits
+    assert_close(logits[real], expected[real], "logits of the real tokens")
+    assert not logits.isnan().any()  # padding queries see themselves, so nothing is NaN
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
+def test_a_padded_row_prefilled_and_decoded_with_a_cache_gives_its_logits_alone(pos_encoding):
+    model = _gpt(pos_encoding=pos_encoding).eval()
+    idx, real = _left_padded(3, 10)
+    step = _tokens(3, 1, seed=2)
+    with torch.no_grad():
+        caches = model.new_kv_caches(3)
+        model(idx, kv_caches=caches, attention_mask=real)
+        decoded = model(step, kv_caches=caches, attention_mask=torch.cat((real, real[:, :1] | True), dim=1))[0]
+        for row in range(3):
+            alone = model(torch.cat((idx[row:row + 1, 3 * row:], step[row:row + 1]), dim=1))[0][:, -1]
+            assert_close(decoded[row, -1], alone[0], f"row {row}")
+
+
+def test_the_attention_mask_must_cover_the_cached_and_new_positions():
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(B, m\) = \(2, 5\)"):
+        model(_tokens(2, 5), attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attention_mask must be boolean"):
+        model(_tokens(2, 5), attention_mask=torch.ones(2, 5))
+
+
 def test_tied_output_projection_is_the_token_embedding():
     model = _gpt(tie_weights=True)
     assert model.lm_head.weight is model.token_embedding.weight

@@ -24,7 +24,8 @@ class _LanguageModel(Protocol):
     @property
     def block_size(self) -> int: ...
 
-    def hidden_states(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> Tensor: ...
+    def hidden_states(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
+                      attention_mask: Tensor | None = None) -> Tensor: ...
 
     def new_kv_caches(self, batch_size: int) -> list[Any]: ...
 
@@ -60,8 +61,10 @@ class GPTDecoder:
     def new_kv_caches(self, batch_size: int) -> list[Any]:
         return self.model.new_kv_caches(batch_size)
 
-    def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> tuple[Tensor, None]:
-        last = self.model.norm(self.model.hidden_states(idx, kv_caches=kv_caches)[:, -1:])  # (B, 1, d_model)
+    def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
+                 attention_mask: Tensor | None = None) -> tuple[Tensor, None]:
+        hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
+        last = self.model.norm(hidden[:, -1:])  # (B, 1, d_model)
         if self.output_weight_t is not None:
             return last @ self.output_weight_t, None  # (B, 1, V)
         return linear(last, self.output_weight), None
@@ -104,6 +107,10 @@ class SourceBoundDecoder:
         return self.model.decoder.new_kv_caches(self.memory, self.block_size,
                                                 repeats=self._repeats(batch_size))
 
-    def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> tuple[Tensor, None]:
+    def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
+                 attention_mask: Tensor | None = None) -> tuple[Tensor, None]:
+        """Target prefixes idx (B, n) -> logits; they are never padded (`attention_mask` is None)."""
+        if attention_mask is not None:
+            raise ValueError("the encoder-decoder decodes target prefixes of one length: no attention_mask")
         memory, mask = self._memory_for(idx.shape[0])
         return self.model.decode(idx, memory, mask, kv_caches=kv_caches), None

@@ -6,11 +6,15 @@ Temperature T = 0 takes argmax z (greedy).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .. import _checks
+
+#: One generator for the batch, or one per row (a row then draws what it would alone).
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -39,7 +43,7 @@ def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: int | None =
 
 
 def draw_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
-              generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+              generator: Generators) -> tuple[Tensor, Tensor | None]:
     """`sample_next` without its check and its host sync, for the decoding loop, which reads the
     returned flags (B,) bool, True where a row had no distribution, together with its own; None
     for greedy decoding (argmax needs no distribution, and so no sync). Arguments are checked by
@@ -68,15 +72,20 @@ def _undefined_rows(undefined: Tensor) -> ValueError:
                       "distribution to sample from")
 
 
-def _categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+def _categorical(probs: Tensor, generator: Generators) -> Tensor:
     """One draw per row of probs (B, V): argmax_i p_i / E_i with E_i ~ Exp(1) independent.
 
     E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is the j-th with probability
     p_j / Σ p (the exponential race), so this is a categorical draw. Why not torch.multinomial: it
     validates its input with host syncs on every call, a stall per token on a GPU. Tokens with p = 0
-    never win (their ratio is set to 0 rather than 0 / E).
+    never win (their ratio is set to 0 rather than 0 / E). With a generator per row, row b's E come
+    from generators[b], as they would for that row alone.
     """
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if isinstance(generator, Sequence):
+        race = torch.stack([torch.empty_like(row).exponential_(generator=own)
+                            for row, own in zip(probs, generator, strict=True)])
+    else:
+        race = torch.empty_like(probs).exponential_(generator=generator)
     return torch.where(probs > 0, probs / race, 0.0).argmax(dim=-1)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -31,16 +31,19 @@ from ..config import Config, greater_than, non_negative, non_negative_int, one_o
 from ..constants import IGNORE_INDEX
 from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
+from ..generation.decoding import generate_prompts, pad_prompts
+from ..generation.sampling import Generators
+from ..generation.stopping import StopStrings
 from ..nn.attention import BACKENDS, MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
-from ..nn.masks import AttentionMask
+from ..nn.masks import AttentionMask, padded_positions_and_mask
 from ..nn.modes import eval_mode
 from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from ..nn.rope import RotaryEmbedding
+from ..nn.rope import RotaryEmbedding, Rotation
 from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
@@ -139,7 +142,7 @@ class Block(nn.Module):
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.dropout1, self.dropout2 = nn.Dropout(c.dropout), nn.Dropout(c.dropout)
 
-    def forward(self, x: Tensor, mask: AttentionMask | None = None, *, rope: RotaryEmbedding | None = None,
+    def forward(self, x: Tensor, mask: AttentionMask | None = None, *, rope: Rotation | None = None,
                 kv_cache: KVCache | None = None) -> Tensor:
         """x (B, n, d_model) -> (B, n, d_model). mask: the batch's causal `AttentionMask`, which `GPT`
         builds once for all its blocks (default: built here). kv_cache: x holds the positions after
@@ -233,15 +236,19 @@ class GPT(SavedModel):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
-                kv_caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, kv_caches: list[KVCache] | None = None,
+                attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, n) token ids -> logits (B, n, vocab_size) and the mean next-token loss.
 
         targets (B, n): the token that follows each position; IGNORE_INDEX (-100) marks positions to ignore.
         kv_caches (one per block): decode incrementally; idx then holds the new positions only.
+        attention_mask (B, P + n) boolean, True = real token, over the P cached positions and idx: a
+        batch of padded rows. Each row's positions count its real tokens only, and no token attends a
+        padding one, so a row's logits are those of its tokens alone (as Hugging Face's attention_mask).
         """
-        offset = self._check_inputs(idx, targets, kv_caches)
-        logits = self.lm_head(self.norm(self._hidden_states(idx, offset, kv_caches)))  # (B, n, vocab_size)
+        offset = self._check_inputs(idx, targets, kv_caches, attention_mask)
+        hidden = self._hidden_states(idx, offset, kv_caches, attention_mask)
+        logits = self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -250,23 +257,33 @@ class GPT(SavedModel):
             loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
         return logits, loss
 
-    def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None) -> Tensor:
+    def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None,
+                      attention_mask: Tensor | None = None) -> Tensor:
         """idx (B, n) -> h_L (B, n, d_model), the last block's output before the final norm."""
-        return self._hidden_states(idx, self._check_inputs(idx, None, kv_caches), kv_caches)
+        offset = self._check_inputs(idx, None, kv_caches, attention_mask)
+        return self._hidden_states(idx, offset, kv_caches, attention_mask)
 
-    def _hidden_states(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None) -> Tensor:
+    def _hidden_states(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
+                       attention_mask: Tensor | None) -> Tensor:
         n = idx.shape[1]
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
+        rope: Rotation | None = self.rope
+        if attention_mask is None:
+            positions = None
+            mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
+        else:
+            positions, mask = padded_positions_and_mask(attention_mask, offset)
+            rope = None if self.rope is None else self.rope.at(positions)
         if self.position is not None:
-            x = self.position(x, offset=offset)
+            x = self.position(x, offset=offset, positions=positions)
         x = self.dropout(x)
-        mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
         for layer, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[layer]
-            x = block(x, mask, rope=self.rope, kv_cache=cache)
+            x = block(x, mask, rope=rope, kv_cache=cache)
         return x
 
-    def _check_inputs(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None) -> int:
+    def _check_inputs(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None,
+                      attention_mask: Tensor | None = None) -> int:
         """The batch's shapes and dtypes and the caches' count and room, read from metadata only (a bad
         token id is explained by `_checks.lookup_token_ids`): no device sync. Returns the position of
         idx[:, 0]."""
@@ -278,6 +295,9 @@ class GPT(SavedModel):
             _checks.check_one_per_layer("kv_caches", kv_caches, self.config.n_layers, "cache")
         offset = 0 if kv_caches is None else kv_caches[0].length
         _checks.check_context("idx", idx.shape[1], offset, self.config.block_size)
+        if attention_mask is not None:
+            _checks.check_key_padding_mask("attention_mask", attention_mask, idx.shape[0], offset + idx.shape[1],
+                                           idx.device)
         return offset
 
     # ------------------------------------------------------------------ generation
@@ -295,17 +315,37 @@ class GPT(SavedModel):
         """This model as `generation.iter_generate` drives it fastest (see `GPTDecoder`)."""
         return GPTDecoder(self)
 
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> Tensor:
+    def generate(self, idx: Tensor | Sequence[Sequence[int] | Tensor], max_new_tokens: int, *,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 use_cache: bool = True, generator: Generators = None, eos_id: int | None = None,
+                 stop: Sequence[str] = ()) -> Tensor | list[list[int]]:
         """Extend prompts idx (B, n) by max_new_tokens sampled tokens -> (B, n + max_new_tokens).
+
+        Or idx is a list of prompts of any lengths (lists of ids or 1-D tensors), decoded in one
+        left-padded batch, each row as it would be alone -> a list of each prompt's ids with its new
+        ones, which end after `eos_id` or after the token that completes one of the `stop` strings
+        (decoded by `self.tokenizer`). `generator`: one, or one per prompt.
 
         temperature 0 is greedy decoding. Past block_size the context slides (see `generation`).
         The prompt's ids are checked once here; the decoding steps check nothing that needs a sync.
         """
-        _checks.check_token_ids("idx", idx, self.config.vocab_size)
+        options: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
+                                       generator=generator)
+        if eos_id is not None:
+            _checks.check_index("eos_id", eos_id, self.config.vocab_size, "vocab_size")
         # why inference_mode: no autograd bookkeeping at all, unlike no_grad
+        if isinstance(idx, Tensor):
+            _checks.check_token_ids("idx", idx, self.config.vocab_size)
+            if stop:
+                raise ValueError("stop strings end rows of different lengths: give the prompts as a list")
+            with eval_mode(self), torch.inference_mode():
+                return generate_tokens(self.decoder(), idx, max_new_tokens, eos_id=eos_id, **options)
+        prompts, _ = pad_prompts(idx)
+        _checks.check_token_ids("idx", prompts, self.config.vocab_size)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer to read the text; this GPT has none")
+        stops = StopStrings(self.tokenizer.decode, stop) if stop and self.tokenizer is not None else None
         with eval_mode(self), torch.inference_mode():
-            return generate_tokens(self.decoder(), idx, max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, use_cache=use_cache, generator=generator)
+            return generate_prompts(self.decoder(), idx, max_new_tokens, eos_id=eos_id, stop=stops,
+                                    device=self.token_embedding.weight.device, **options)
 

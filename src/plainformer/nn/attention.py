@@ -31,7 +31,7 @@ from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
-    from .rope import RotaryEmbedding
+    from .rope import Rotation
 
 BACKENDS = ("auto", "math", "sdpa", "flash")
 
@@ -294,7 +294,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
-                need_weights: bool = False, rope: RotaryEmbedding | None = None,
+                need_weights: bool = False, rope: Rotation | None = None,
                 kv_cache: KVCache | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """query (B, n, d_model), key and value (B, m, d_model) -> (B, n, d_model).
 
@@ -322,7 +322,7 @@ class MultiHeadAttention(nn.Module):
 
     def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
                  key_padding_mask: Tensor | None = None, is_causal: bool = False,
-                 rope: RotaryEmbedding | None = None, kv_cache: KVCache | None = None) -> AttentionMask:
+                 rope: Rotation | None = None, kv_cache: KVCache | None = None) -> AttentionMask:
         """Validate `forward`'s arguments (shapes, dtypes, devices: nothing is read from a tensor)
         and combine the masks into the `AttentionMask` the three paths take."""
         self._check_inputs(query, key, value, rope, kv_cache)
@@ -338,7 +338,7 @@ class MultiHeadAttention(nn.Module):
                                    attn_mask=attn_mask, device=query.device)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
-               rope: RotaryEmbedding | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+               rope: Rotation | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """No cache: query (B, n, d_model) attends key/value (B, m, d_model), projected here."""
         q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
         k, v = self.project_kv(key, value)  # (B, h_kv, m, d_k)
@@ -347,7 +347,7 @@ class MultiHeadAttention(nn.Module):
         return self._attend(q, k, v, mask, need_weights)
 
     def attend_cached(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask, cache: KVCache, *,
-                      rope: RotaryEmbedding | None = None,
+                      rope: Rotation | None = None,
                       need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
         to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
@@ -377,7 +377,7 @@ class MultiHeadAttention(nn.Module):
         out = self.W_o(out.transpose(1, 2).reshape(batch, n, -1))  # (B, n, d_model)
         return (out, weights) if need_weights else out
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, rope: RotaryEmbedding | None,
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, rope: Rotation | None,
                       kv_cache: KVCache | None) -> None:
         for name, x in (("query", query), ("key", key), ("value", value)):
             _checks.check_tensor(name, x, ndim=3, shape_doc="(B, seq_len, d_model)")
@@ -398,7 +398,7 @@ class MultiHeadAttention(nn.Module):
                        query.shape[1])
 
 
-def check_rope(rope: RotaryEmbedding, head_dim: int, offset: int, length: int) -> None:
+def check_rope(rope: Rotation, head_dim: int, offset: int, length: int) -> None:
     """`rope` rotates heads of head_dim and has positions offset .. offset+length-1."""
     if rope.head_dim != head_dim:
         raise ValueError(f"rope has head_dim = {rope.head_dim} but the attention heads have "

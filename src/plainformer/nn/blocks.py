@@ -45,7 +45,7 @@ from .normalization import NORMS, make_norm
 from .positional import SinusoidalPositionalEncoding, check_even_d_model
 
 if TYPE_CHECKING:
-    from .rope import RotaryEmbedding
+    from .rope import Rotation
 
 
 def check_layer_args(d_model: int, n_heads: int, d_ff: int, *, dropout: float, activation: str,
@@ -126,7 +126,7 @@ class EncoderLayer(_ResidualLayer):
 
     def forward(self, x: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
-                rope: RotaryEmbedding | None = None, kv_cache: KVCache | None = None) -> Tensor:
+                rope: Rotation | None = None, kv_cache: KVCache | None = None) -> Tensor:
         """x: (B, n, d_model) -> (B, n, d_model).
 
         mask: the batch's `AttentionMask` (what the stacks pass; nothing is checked then), or the

@@ -145,3 +145,20 @@ def check_mask_tensor(name: str, mask: Tensor, scores_shape: tuple[int, ...], de
     if mask.dim() > len(scores_shape):
         raise ValueError(f"{name} has {mask.dim()} dimensions, more than the scores {scores_doc} "
                          f"of shape {scores_shape}")
+
+
+def padded_positions_and_mask(real: Tensor, cached: int = 0) -> tuple[Tensor, AttentionMask]:
+    """A batch of padded rows: real (B, m) boolean, True = real token, over m keys of which the last
+    n = m - cached are the queries -> (positions (B, n), the causal `AttentionMask`).
+
+    A query's position counts the real tokens before it in its row, so each row is positioned as if
+    alone. No query sees a padding key, except that a padding query sees itself: a row of scores with
+    no key would be NaN, and its NaN values would reach the real queries of the next layer as 0 · NaN.
+    """
+    m = real.shape[1]
+    n = m - cached
+    positions = (real.cumsum(1) - 1).clamp_min(0)[:, cached:]  # (B, n)
+    keys = torch.arange(m, device=real.device)
+    itself = keys[None, :] == torch.arange(cached, m, device=real.device)[:, None]  # (n, m)
+    allowed = causal_mask(n, m, offset=cached, device=real.device) & real[:, None, :] | itself  # (B, n, m)
+    return positions, AttentionMask.build(n, m, attn_mask=allowed.unsqueeze(1), device=real.device)

@@ -78,8 +78,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.d_model, self.max_len = d_model, max_len
         self.register_buffer("pe", _table(max_len, d_model, torch.float32), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, n, d_model) at positions offset .. offset+n-1 -> same shape; not checked here."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, n, d_model) at positions offset .. offset+n-1, or at `positions` (B, n) (each row its
+        own: a left-padded batch) -> same shape; not checked here."""
+        if positions is not None:
+            return x + self.pe[positions].to(x.dtype)
         return x + self.pe[offset:offset + x.shape[1]].to(x.dtype)
 
 
@@ -94,7 +97,9 @@ class LearnedPositionalEmbedding(nn.Module):
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, n, d_model) at positions offset .. offset+n-1 -> same shape; not checked here."""
-        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, n, d_model) at positions offset .. offset+n-1, or at `positions` (B, n) (each row its
+        own: a left-padded batch) -> same shape; not checked here."""
+        if positions is None:
+            positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + self.embedding(positions)

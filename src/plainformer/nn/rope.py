@@ -72,3 +72,25 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[offset:offset + n].to(x.dtype)  # (n, d)
         signed_sin = self.signed_sin[offset:offset + n].to(x.dtype)
         return cast(Tensor, _Rotate.apply(x, cos, signed_sin))
+
+    def at(self, positions: Tensor) -> RowRotation:
+        """This rotation at `positions` (B, n), each row its own (a left-padded batch)."""
+        return RowRotation(self, positions)
+
+
+class RowRotation:
+    """A `RotaryEmbedding` at given positions (B, n): rotates (B, H, n, d) queries or keys of a batch
+    whose rows start at different positions. The angles are gathered once, for every layer; the
+    `offset` the attention passes is already in the positions."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: Tensor):
+        self.head_dim, self.max_len = rope.head_dim, rope.max_len
+        self.cos = rope.cos[positions].unsqueeze(1)  # (B, 1, n, d)
+        self.signed_sin = rope.signed_sin[positions].unsqueeze(1)
+
+    def __call__(self, x: Tensor, offset: int = 0) -> Tensor:
+        return cast(Tensor, _Rotate.apply(x, self.cos.to(x.dtype), self.signed_sin.to(x.dtype)))
+
+
+#: What the attention layers take as `rope`.
+Rotation = RotaryEmbedding | RowRotation

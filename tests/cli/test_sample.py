@@ -1,0 +1,76 @@
+"""`plainformer sample`: one streamed sample, a batch of them (--num-samples, --prompt-file) in which each
+equals its own run alone, stop strings that end a sample unprinted, and the one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plainformer.cli import main
+
+TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16",
+        "--batch-size", "4", "--eval-interval", "4", "--eval-batches", "2", "--warmup-steps", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sample")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("\n\n\n".join(f"To be, or not to be, that is the question {i}.\n" * 20 for i in range(5)))
+    out = tmp / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PLAINFORMER_CACHE", str(tmp / "cache"))
+        assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "8", *TINY]) == 0
+    return out
+
+
+def sample(capsys, run: Path, *argv: str) -> str:
+    code = main(["sample", "--ckpt", str(run), "--max-new-tokens", "24", *argv])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out
+
+
+def test_num_samples_prints_each_sample_as_its_seed_alone_would(capsys, run):
+    batch = sample(capsys, run, "--prompt", "To be", "--num-samples", "3", "--seed", "11")
+    alone = [sample(capsys, run, "--prompt", "To be", "--seed", str(seed)) for seed in (11, 12, 13)]
+    assert batch == "---\n".join(alone)
+
+
+def test_a_prompt_file_samples_its_lines_in_order_in_one_batch(capsys, run, tmp_path):
+    prompts = ["To be", "that is the question", "T"]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n\n")  # blank lines are no prompts
+    batch = sample(capsys, run, "--prompt-file", str(path), "--separator", "=====", "--seed", "3")
+    alone = [sample(capsys, run, "--prompt", prompt, "--seed", str(3 + i)) for i, prompt in enumerate(prompts)]
+    assert batch == "=====\n".join(alone)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_stop_string_ends_the_sample_and_is_not_printed(capsys, run, batched):
+    greedy = ["--prompt", "To", "--temperature", "0"]
+    text = sample(capsys, run, *greedy).removesuffix("\n")[len("To"):]
+    stop = text[5:7]
+    expected = "To" + text[:text.index(stop)] + "\n"
+    batch = ["--num-samples", "2"] if batched else []
+    got = sample(capsys, run, *greedy, "--stop", stop, "--stop", "no such text", *batch)
+    assert got == (expected + "---\n" + expected if batched else expected)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "To", "--prompt-file", "p.txt"], "give --prompt or --prompt-file, not both"),
+    (["--prompt-file", "no/such/file.txt"], "--prompt-file no/such/file.txt is not a file"),
+    (["--stop", ""], "--stop: expected a non-empty string"),
+    (["--num-samples", "0"], "--num-samples: expected a positive integer"),
+])
+def test_sample_errors_are_one_line(capsys, run, argv, message):
+    code = main(["sample", "--ckpt", str(run), *argv])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and message in captured.err and len(captured.err.splitlines()) == 1
+
+
+def test_a_prompt_file_without_prompts_is_one_line(capsys, run, tmp_path):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    code = main(["sample", "--ckpt", str(run), "--prompt-file", str(tmp_path / "empty.txt")])
+    assert code == 2 and "holds no prompt" in capsys.readouterr().err
