@@ -10,6 +10,9 @@ peer's; in bf16 rounding differs between implementations, so they part sooner or
   ours (no cache)     `use_cache=False`: the whole context again at every step
   ours bf16           the same model cast to bfloat16 (weights, cache and activations)
   HF                  `GPT2LMHeadModel.generate(do_sample=False)` (its dynamic KV cache), fp32 and bf16
+  ours batch 8 mixed  `GPT.generate([8 prompts], ...)`: 8 prompts of lengths prompt/8 .. prompt in one
+                      left-padded batch, against the same 8 decoded one after another ("8 single runs");
+                      tokens/s counts every row's new tokens (target: the batch >= 4x the single runs)
 Timing: each decoder is warmed up on a short run, then `--repeats` rounds time every decoder once
 (interleaved, so a busy machine slows them all alike); the uncached path is slow and runs only in
 the first `--uncached-repeats` rounds. Medians are quoted. ratio = ours / peer in tokens/s (higher is
@@ -50,7 +53,9 @@ COMPARISONS = [
     ("bf16: ours (KV cache) vs HF bf16", "ours bf16 (KV cache)", "HF bf16"),
     ("ours bf16 vs HF fp32", "ours bf16 (KV cache)", "HF"),
     ("fp32: ours KV cache vs no cache", "ours (KV cache)", "ours (no cache)"),
+    ("fp32: batch 8 mixed vs 8 single runs", "ours batch 8 mixed", "ours 8 single runs"),
 ]
+BATCH = 8
 GPT2 = dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, vocab_size=50257, block_size=1024)
 
 
@@ -97,13 +102,24 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
         return lambda n: model.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                         do_sample=False)[:, prompt.shape[1]:]
 
+    lengths = [max(1, prompt.shape[1] * (i + 1) // BATCH) for i in range(BATCH)]
+    prompts = [torch.randint(GPT2["vocab_size"], (n,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i, n in enumerate(lengths)]
+
+    def batch_call(n):  # (8, n): each row's new tokens
+        return torch.tensor([row[len(p):] for row, p in zip(ours.generate(prompts, n, temperature=0), prompts, strict=True)])
+
+    def singles_call(n):
+        return torch.cat([ours.generate(torch.tensor([p]), n, temperature=0)[:, len(p):] for p in prompts])
+
     return {"ours (KV cache)": ours_call(ours), "HF": hf_call(theirs),
             "ours bf16 (KV cache)": ours_call(ours_bf16), "HF bf16": hf_call(theirs_bf16),
-            "ours (no cache)": ours_call(ours, use_cache=False)}, ours.num_parameters()
+            "ours (no cache)": ours_call(ours, use_cache=False), "ours batch 8 mixed": batch_call,
+            "ours 8 single runs": singles_call}, ours.num_parameters()
 
 
 def agreeing_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
-    """How many leading tokens of (1, n) `tokens` equal `reference`'s."""
+    """How many leading tokens of (B, n) `tokens`, row after row, equal `reference`'s."""
     differ = (tokens != reference).flatten().nonzero()
     return int(differ[0]) if len(differ) else tokens.numel()
 
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             tokens[name] = call(args.new_tokens)
             times[name].append(time.perf_counter() - start)
-    speed = {name: args.new_tokens / statistics.median(ts) for name, ts in times.items() if ts}
+    speed = {name: tokens[name].numel() / statistics.median(ts) for name, ts in times.items() if ts}
     peak_mib = {name: extra_peak_bytes(lambda call=call: call(MEMORY_TOKENS)) / 2**20
                 for name, call in calls.items() if name in speed}
     rows = []
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                "tokens_as_peer": agreeing_prefix(tokens[ours], tokens[peer])}
         rows.append(row)
         print(f"{what:<34} {speed[ours]:>10.1f} {speed[peer]:>10.1f} {row['ratio']:>5.2f}x "
-              f"{peak_mib[ours]:>9.0f}/{peak_mib[peer]:<9.0f}  {row['tokens_as_peer']}/{args.new_tokens}")
+              f"{peak_mib[ours]:>9.0f}/{peak_mib[peer]:<9.0f}  {row['tokens_as_peer']}/{tokens[ours].numel()}")
     print("ratio = ours / peer tokens/s (higher is better)")
     print(json.dumps({"benchmark": "generate", "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
                       "prompt": args.prompt, "memory_bandwidth": bandwidth, "repeats": args.repeats,

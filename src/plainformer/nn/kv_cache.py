@@ -26,8 +26,9 @@ class KVCache:
                                 ("max_len", max_len), ("head_dim", head_dim)):
                 _checks.check_positive_int(name, value)
         shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised: only positions 0 .. length-1, written before they are read, are ever read.
+        self._k = torch.empty(shape, dtype=dtype, device=device)
+        self._v = torch.empty(shape, dtype=dtype, device=device)
         self.max_len, self.static = max_len, static
         self.length = 0
 
