@@ -457,7 +457,7 @@ def _manifest_entry(directory, name, entry):
     (lambda d: _manifest_entry(d, "../../etc/hostname", {"size": 1, "sha256": "0"}),
      r"lists '\.\./\.\./etc/hostname', which is not a file name inside the checkpoint"),
     (lambda d: ((d / "vocab.txt").symlink_to("/etc/hostname"),
-                _manifest_entry(d, "vocab.txt", {"size": 1, "sha256": "0"})), r"vocab\.txt links outside"),
+                _manifest_entry(d, "vocab.txt", {"size": 1, "sha256": "0"})), r"vocab\.txt is a link"),
     (lambda d: _edit_json(d, "config.json", lambda c: {**c, "format_version": "1"}),
      r"config\.json: 'format_version' has the wrong type \(str\)"),
     (lambda d: _edit_json(d, "config.json", lambda c: {**c, "model": "gpt"}), r"'model' has the wrong type"),
@@ -534,3 +534,34 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(small_tmpfs):
         save_checkpoint(small_tmpfs / "last", model=big, family="tied", model_config=MODEL_CONFIG)
     assert torch.equal(_weights(small_tmpfs / "last"), old.proj.weight)
     assert [p.name for p in small_tmpfs.iterdir()] == ["last"]
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "optimizer.safetensors"])
+def test_a_file_left_out_of_the_manifest_is_refused_not_read(tmp_path, name):
+    net, optimizer = trained_net()
+    save(tmp_path / "ckpt", net)
+    (tmp_path / "ckpt" / name).write_text("{}")  # beside the verified files, unverified
+    with pytest.raises(CheckpointError, match=rf"{name} is not listed in manifest\.json"):
+        load_checkpoint(tmp_path / "ckpt", verify=False)
+
+
+def test_a_listed_file_that_is_a_link_is_refused_even_inside_the_directory(tmp_path):
+    net, _ = trained_net()
+    save(tmp_path / "ckpt", net)
+    config = tmp_path / "ckpt" / "config.json"
+    (tmp_path / "ckpt" / ".real.json").write_bytes(config.read_bytes())
+    config.unlink()
+    config.symlink_to(".real.json")
+    with pytest.raises(CheckpointError, match=r"config\.json is a link"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_an_alias_in_the_metadata_cannot_overwrite_a_stored_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    net, _ = trained_net()
+    save(tmp_path / "ckpt", net)
+    path = tmp_path / "ckpt" / "model.safetensors"
+    save_file(load_file(path), path, metadata={"format": "pt", "plainformer.aliases": '{"proj.weight": "norm.weight"}'})
+    with pytest.raises(CheckpointError, match="ties 'proj.weight', which the file holds itself"):
+        load_checkpoint(tmp_path / "ckpt", verify=False)

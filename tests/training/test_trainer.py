@@ -479,3 +479,54 @@ def test_a_second_run_on_the_same_directory_is_refused_and_the_first_is_unharmed
 def test_non_finite_numbers_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"{field} must be"):
         TrainConfig(**{field: value})
+
+
+# ----------------------------------------------------------------------------- divergence
+
+class InfLoss(TinyLM):
+    """TinyLM whose loss is +inf on batches whose first token is -1 (see `poisoned`)."""
+
+    def forward(self, idx, targets=None):
+        poisoned = idx[0, 0] < 0
+        logits, loss = super().forward(idx.clamp_min(0), targets)
+        return logits, None if loss is None else torch.where(poisoned, torch.tensor(math.inf), loss)
+
+
+class Poisoned(CountingTokens):
+    def __init__(self, from_index: int):
+        super().__init__()
+        self.from_index = from_index
+
+    def get_batch(self, split, index, batch_size):
+        batch = super().get_batch(split, index, batch_size)
+        if split == "train" and index >= self.from_index:
+            batch["idx"] = batch["idx"].clone()
+            batch["idx"][0, 0] = -1
+        return batch
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_finite_checkpoint(tmp_path):
+    from plainformer.training.trainer import TrainingDiverged
+
+    torch.manual_seed(0)
+    trainer = Trainer(InfLoss(), Poisoned(from_index=10), small_config(max_steps=12, save_interval=4), tmp_path,
+                      progress=False)
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step 6: .*last/ holds step 4"):
+        trainer.fit()  # micro-batches 10, 11 are step 6's (2 per step)
+    assert load_checkpoint(tmp_path / "last").trainer_state["step"] == 4
+    best = load_checkpoint(tmp_path / "best").trainer_state
+    assert math.isfinite(best["best_val_loss"]) and best["step"] <= 4
+
+
+def test_resuming_from_non_finite_weights_is_refused(tmp_path):
+    from plainformer.checkpoint.format import save_checkpoint
+
+    train(tmp_path, max_steps=2, save_interval=2)
+    saved = load_checkpoint(tmp_path / "last")
+    trainer = Trainer(fresh_model(), CountingTokens(), small_config(), tmp_path / "other", progress=False)
+    weights = {**saved.state_dict, "fc1.weight": saved.state_dict["fc1.weight"].clone().fill_(math.nan)}
+    save_checkpoint(tmp_path / "last", model=weights, family=saved.family, model_config=saved.model_config,
+                    train_config=saved.train_config, optimizer=saved.optimizer_state_dict(trainer.optimizer),
+                    trainer_state={k: v for k, v in saved.trainer_state.items() if k != "rng"})
+    with pytest.raises(CheckpointError, match=r"last holds NaN or infinite weights \(fc1\.weight\)"):
+        Trainer(fresh_model(), CountingTokens(), small_config(max_steps=4), tmp_path, resume=True, progress=False)

@@ -288,6 +288,7 @@ def load_checkpoint(directory: str | os.PathLike, *, verify: bool = True) -> Che
         if required not in files:
             raise CheckpointError(f"{path / MANIFEST} does not list {required}")
     _check_files(path, files, verify=verify)
+    _refuse_unlisted(path, files)
 
     config = _read_json(path / CONFIG)
     if not isinstance(config, dict):
@@ -342,8 +343,8 @@ def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
             raise CheckpointError(f"{path / MANIFEST}: the entry of {name!r} must be an object with an "
                                   f"integer 'size' and a 'sha256' string, got {entry!r:.100}")
         file = path / name
-        if file.resolve().parent != path.resolve():
-            raise CheckpointError(f"{file} links outside the checkpoint directory")
+        if file.is_symlink() or file.resolve().parent != path.resolve():
+            raise CheckpointError(f"{file} is a link: every file of a checkpoint is its own, inside its directory")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
         if not verify:
@@ -354,6 +355,17 @@ def _check_files(path: Path, files: Mapping[str, Any], *, verify: bool) -> None:
                                   f"{MANIFEST} records {entry['size']}")
         if sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"{file} is corrupted: its sha256 differs from the one in {MANIFEST}")
+
+
+def _refuse_unlisted(path: Path, files: Mapping[str, Any]) -> None:
+    """Every file a checkpoint holds is one the manifest lists (and so verifies): a file put beside
+    them (a tokenizer.json, optimizer state) would otherwise be read unchecked. Hidden files are not
+    the checkpoint's."""
+    unlisted = sorted(p.name for p in path.iterdir() if not p.name.startswith(".") and p.name != MANIFEST
+                      and p.name not in files)
+    if unlisted:
+        raise CheckpointError(f"{path / unlisted[0]} is not listed in {MANIFEST}: a checkpoint reads only the "
+                              "files its manifest verifies (remove it, or save the checkpoint again)")
 
 
 def _read_json(path: Path) -> Any:
@@ -381,6 +393,9 @@ def _read_model(path: Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{path}: the metadata {_ALIASES_KEY!r} must map names to names, "
                               f"got {aliases!r:.100}")
     for alias, name in aliases.items():
+        if alias in tensors:
+            raise CheckpointError(f"{path}: the metadata {_ALIASES_KEY!r} ties {alias!r}, which the file holds "
+                                  "itself, to another tensor")
         if name not in tensors:
             raise CheckpointError(f"{path} says {alias!r} is tied to {name!r}, which it does not hold")
         tensors[alias] = tensors[name]

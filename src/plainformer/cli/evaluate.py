@@ -4,6 +4,7 @@ config.json names; the data options default to those of the run's recipe.yaml.""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,4 +77,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                             f"not to this {family} one")
     if args.length_penalty is None:
         args.length_penalty = 0.6
-    return evaluated[family](args, run_dir, checkpoint, read_run_recipe(run_dir))
+    metrics = evaluated[family](args, run_dir, checkpoint, read_run_recipe(run_dir))
+    non_finite = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+    if non_finite:
+        raise UserError(f"{checkpoint} gives a non-finite {', '.join(non_finite)} (NaN or inf): its weights or "
+                        "its outputs are not finite numbers")
+    return metrics

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
+from ..errors import UserError
 from ..files.run_lock import run_lock
 from ..nn.attention import check_trainable
 from ..nn.dtypes import at_least_float32
@@ -43,6 +44,18 @@ from .plots import plot_loss_curve
 from .precision import model_width, resolve_dtype, slow_bf16_warning
 from .state import TrainerState
 from .tensorboard import tensorboard_log
+
+
+class TrainingDiverged(UserError):
+    """Raised by `Trainer.fit` when a step's loss or gradient norm is not finite: nothing after the
+    last finite step is saved, so last/ and best/ stay what they were."""
+
+    def __init__(self, step: int | None, saved: int | None):
+        when = f"at step {step}" if step is not None else "(on another rank)"
+        kept = (f"last/ holds step {saved}, the last one saved" if saved else "no checkpoint was saved")
+        super().__init__(f"training diverged {when}: the loss or the gradient norm is NaN or infinite; {kept}. "
+                         "Lower --lr, or raise --warmup-steps or --grad-clip, and train again")
+        self.step = step
 
 
 class TrainingInterrupted(Exception):
@@ -130,6 +143,10 @@ class Trainer:
         self._session_start = time.perf_counter()
         self._val_batches: list[dict[str, Tensor]] | None = None
         self._last_is_current = False  # last/ holds this step and everything logged so far
+        self._saved_step: int | None = None  # the step last/ holds
+        # The first step whose loss or gradient norm was not finite (-1: none), kept on the device and
+        # read where the loop reads the device anyway: logging, evaluating, saving.
+        self._first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.device)
         self._eval_seconds = 0.0  # this session's evaluations (and saves of best/)
         self.planner = StepPlanner.from_config(config, lambda: (self._elapsed(), self._eval_seconds))
         self._set_state(TrainerState.fresh())
@@ -156,14 +173,16 @@ class Trainer:
         if ckpt.trainer_state is None or not ckpt.has_optimizer_state:
             raise CheckpointError(f"{ckpt.path} has no trainer or optimizer state to resume from")
         state = TrainerState.from_checkpoint(ckpt)
+        saved = ckpt.model_state_dict(self.model, names=self._saved_names)
+        _refuse_non_finite(ckpt.path, saved)
         try:
-            self.dist.load_model_state_dict(ckpt.model_state_dict(self.model, names=self._saved_names),
-                                            strict=self._saved_names is None)
+            self.dist.load_model_state_dict(saved, strict=self._saved_names is None)
         except RuntimeError as e:
             raise CheckpointError(f"{ckpt.path} does not fit {type(self.model).__name__}: {e}") from None
         self.dist.load_optimizer_state_dict(self.optimizer, ckpt.optimizer_state_dict(self.optimizer))
         self._set_state(state)
         self._last_is_current = True
+        self._saved_step = state.step
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
 
     def _set_state(self, state: TrainerState) -> None:
@@ -281,6 +300,7 @@ class Trainer:
                     break
                 watch.start()
                 loss, tokens, grad_norm = self._train_step()
+                self._watch_finite(loss, grad_norm)
                 if self._pauses_after_step() or interrupt.requested or not window.total_tokens:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
@@ -344,8 +364,20 @@ class Trainer:
         self._log.flush()
         self._tensorboard(self.step, values)
 
+    def _watch_finite(self, loss: Tensor, grad_norm: Tensor | None) -> None:
+        finite = loss.isfinite() if grad_norm is None else loss.isfinite() & grad_norm.isfinite()
+        first = self._first_nonfinite
+        self._first_nonfinite = torch.where((first < 0) & ~finite, torch.full_like(first, self.step), first)
+
+    def _stop_if_diverged(self) -> None:
+        """TrainingDiverged when a step since the start was not finite, on any rank (one host read)."""
+        step = int(self._first_nonfinite)
+        if self.dist.any(step >= 0):
+            raise TrainingDiverged(step if step >= 0 else None, self._saved_step)
+
     def _log_train(self, window: LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
+        self._stop_if_diverged()
         self.train_loss, tokens_per_s = window.flush(train_seconds, self.dist.mean)
         self._last_is_current = False
         lr = self.optimizer.param_groups[0]["lr"]
@@ -357,6 +389,7 @@ class Trainer:
                         **({"moe_viol": f"{moe['max_violation']:.2f}"} if moe else {}))
 
     def _evaluate_and_keep_best(self) -> None:
+        self._stop_if_diverged()
         start = time.perf_counter()
         self.val_loss = self.evaluate()
         self._evaluated_step, self._last_is_current = self.step, False
@@ -367,8 +400,10 @@ class Trainer:
         self._eval_seconds += time.perf_counter() - start
 
     def _save_last(self) -> None:
+        self._stop_if_diverged()
         self._save("last", with_optimizer=True)
         self._last_is_current = True
+        self._saved_step = self.step
 
     def _save(self, name: str, *, with_optimizer: bool) -> None:
         """Every rank gathers the full state and its RNG state to rank 0, which writes the checkpoint."""
@@ -384,3 +419,13 @@ class Trainer:
             self.out_dir / name, model=model_state, family=self.family, model_config=self.model_config,
             train_config=self.config.to_dict(), tokenizer=self.tokenizer, optimizer=optimizer_state,
             trainer_state=self._state().to_dict(), rng_states=rng_states, adapter=self.adapter)
+
+
+def _refuse_non_finite(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """A CheckpointError when a weight saved in `path` is NaN or infinite (one host read)."""
+    floats = [(name, t) for name, t in tensors.items() if t.is_floating_point()]
+    finite = torch.stack([t.isfinite().all() for _, t in floats]).tolist() if floats else []
+    bad = [name for (name, _), ok in zip(floats, finite, strict=True) if not ok]
+    if bad:
+        raise CheckpointError(f"{path} holds NaN or infinite weights ({', '.join(bad[:3])}): the run had "
+                              "diverged; resume from a copy saved before that, or train again")
