@@ -107,7 +107,8 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
                for i, n in enumerate(lengths)]
 
     def batch_call(n):  # (8, n): each row's new tokens
-        return torch.tensor([row[len(p):] for row, p in zip(ours.generate(prompts, n, temperature=0), prompts, strict=True)])
+        outputs = ours.generate(prompts, n, temperature=0)
+        return torch.tensor([row[len(p):] for row, p in zip(outputs, prompts, strict=True)])
 
     def singles_call(n):
         return torch.cat([ours.generate(torch.tensor([p]), n, temperature=0)[:, len(p):] for p in prompts])
