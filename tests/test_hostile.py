@@ -656,3 +656,72 @@ def test_pickle_payload_would_run_if_unpickled(tmp_path):
     marker = tmp_path / "PWNED"
     pickle.loads(pickle.dumps(Payload(marker)))
     assert marker.exists()
+
+
+# ----------------------------------------------------------------------------- round two (issue 28)
+
+def test_a_diverging_run_stops_naming_the_step_and_saves_no_best_from_a_nan_loss(capsys, tmp_path, corpus, cache):
+    out = tmp_path / "run"
+    code, stderr = run_cli(capsys, "train", "--data", corpus, "--out", out, "--lr", "1e30", "--max-steps", "30",
+                           "--no-fit-to-time", *TINY_GPT)
+    assert_one_error_line(code, stderr, r"training diverged at step \d+: the loss or the gradient norm is NaN")
+    for name in ("last", "best"):
+        if (out / name).exists():
+            state = checkpoint.load_checkpoint(out / name).trainer_state
+            assert state["best_val_loss"] is None or math.isfinite(state["best_val_loss"])
+
+
+ROUND_TWO_CONFIGS = {
+    "100000 nested brackets": ("c.json", "[" * 100_000, r"c\.json is not valid JSON: it nests too deeply"),
+    "a YAML key given twice": ("c.yaml", "lr: 0.1\nlr: 0.2\n", r"the key 'lr' is given twice"),
+    "a JSON key given twice": ("c.json", '{"lr": 0.1, "lr": 0.2}', r"the key 'lr' is given twice"),
+    "a key with dashes and underscores": ("c.yaml", "n-layers: 1\nn_layers: 2\n", r"gives n_layers twice"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND_TWO_CONFIGS))
+def test_a_hostile_config_file_gives_one_error_line(case, capsys, tmp_path):
+    name, text, message = ROUND_TWO_CONFIGS[case]
+    (tmp_path / name).write_text(text)
+    assert_one_error_line(*run_cli(capsys, "train", "--config", tmp_path / name), message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "/dev/zero"], r"--config /dev/zero is not a regular file"),
+    (["train", "--data", ""], r"--data must name a file, folder or glob, got ''"),
+    (["train", "--text-field", "body"], r"--text-field names the field of JSON Lines records .*bundled corpus"),
+])
+def test_an_unclear_option_is_now_one_clear_line(capsys, argv, message):
+    assert_one_error_line(*run_cli(capsys, *argv), message)
+
+
+def test_out_naming_a_file_is_refused_before_the_data_is_prepared(capsys, tmp_path, cache):
+    (tmp_path / "taken").write_text("mine")
+    assert_one_error_line(*run_cli(capsys, "train", "--out", tmp_path / "taken"), r"--out .*taken is a file")
+    assert not cache.exists()  # nothing was prepared
+
+
+def test_a_shard_index_whose_weight_map_is_a_list_is_one_error(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8}))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model-1.safetensors"]}))
+    with pytest.raises(ValueError, match="weight_map must map weight names to shard file names"):
+        pf.load_hf(tmp_path)
+    assert_one_error_line(*run_cli(capsys, "export", "--ckpt", tmp_path, "--out", tmp_path / "out"),
+                          "weight_map must map")
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: _gpt()(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 11)), ValueError,
+     r"targets must hold token ids in \[0, 11\) or IGNORE_INDEX \(-100\)"),
+    (lambda: pf.MultiHeadAttention(8, 2)(*torch.randn(3, 1, 4, 8, dtype=torch.float64)), TypeError,
+     r"query is torch\.float64 but the layer's weights are torch\.float32"),
+])
+def test_raw_torch_errors_are_now_named_at_the_api(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_targets_that_are_all_ignored_give_a_zero_loss_not_nan():
+    _, loss = _gpt()(torch.zeros(2, 4, dtype=torch.long), torch.full((2, 4), -100))
+    assert loss.item() == 0.0
+    loss.backward()  # and gradients of zero, not NaN

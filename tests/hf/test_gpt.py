@@ -198,7 +198,6 @@ def test_a_tied_head_is_written_once(tmp_path):
 @pytest.mark.parametrize("overrides, field", [
     (dict(pos_encoding="sinusoidal"), "pos_encoding='sinusoidal'"),
     (dict(GPT2, norm="rmsnorm"), "norm='rmsnorm'"),
-    (dict(GPT2, bias=False), "bias=False"),
     (dict(GPT2, activation="swiglu"), "activation='swiglu'"),
     (dict(GPT2, n_kv_heads=2), "n_kv_heads=2"),
     (dict(LLAMA, norm="layernorm"), "norm='layernorm'"),
@@ -209,6 +208,20 @@ def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, fie
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         pf.save_hf(model, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_nanogpts_bias_free_gpt_is_written_as_gpt2_with_zero_biases(tmp_path):
+    """nanoGPT's recipe (`nanogpt-cpu`: learned positions, LayerNorm, bias=False) has GPT-2's layout once
+    every bias is a zero, which computes the same function."""
+    torch.manual_seed(0)
+    ours = pf.GPT(pf.GPTConfig.from_preset("nanogpt-cpu", vocab_size=TINY["vocab_size"])).eval()
+    _randomize(ours)
+    pf.save_hf(ours, tmp_path)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert all(p.abs().sum() == 0 for name, p in theirs.named_parameters() if name.endswith(".bias"))
+    idx = _tokens()
+    with torch.no_grad():
+        assert _max_error(ours(idx)[0], _hf_logits(theirs, idx)) <= 1e-4
 
 
 def test_a_vocabulary_padded_past_the_tokenizer_is_cropped(tmp_path):

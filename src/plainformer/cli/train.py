@@ -159,26 +159,36 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """The values of a YAML or JSON file of flags, keys normalised to field names (n-layers -> n_layers)."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"config file not found: {path}")
+    if not path.is_file():
+        raise UserError(f"--config {path} is not a regular file (a YAML or JSON file of flags)")
     text = utf8_text(path.read_bytes(), str(path))
     if path.suffix == ".json":
         try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
+            values = json.loads(text, object_pairs_hook=_unique_pairs)
+        except RecursionError:
+            raise UserError(f"{path} is not valid JSON: it nests too deeply to read") from None
+        except ValueError as error:  # json.JSONDecodeError, or a key given twice
             raise UserError(f"{path} is not valid JSON: {error}") from None
     elif path.suffix in (".yaml", ".yml"):
         import yaml
 
         try:
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader
+        except RecursionError:
+            raise UserError(f"{path} is not valid YAML: it nests too deeply to read") from None
         except yaml.YAMLError as error:
             raise UserError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     else:
         raise UserError(f"--config must be a .yaml, .yml or .json file, got {path}")
     if not isinstance(values, dict):
         raise UserError(f"{path} must hold a mapping of flag names to values, got {type(values).__name__}")
-    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    normalised = [str(key).replace("-", "_") for key in values]
+    twice = sorted({key for key in normalised if normalised.count(key) > 1})
+    if twice:
+        raise UserError(f"{path} gives {twice[0]} twice (as {twice[0]} and {twice[0].replace('_', '-')}?)")
+    values = dict(zip(normalised, values.values(), strict=True))
     known = recipe_keys()
     for key in values:
         if key not in known:
@@ -187,6 +197,31 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise UserError(f"unknown key {key!r} in {path}{hint}; the keys are the flags of "
                             "`plainformer train --help`")
     return {key: _typed(key, value, path) for key, value in values.items() if value is not None}
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json.loads keeps the last of a repeated key)."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise ValueError(f"the key {twice!r} is given twice")
+    return dict(pairs)
+
+
+def _unique_keys_loader() -> type:
+    """yaml.SafeLoader refusing a key given twice in a mapping (it keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            twice = next((key for key in keys if keys.count(key) > 1), None)
+            if twice is not None:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {twice!r} is given twice",
+                                                        node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
 
 
 def _typed(key: str, value: Any, path: Path) -> Any:
@@ -317,9 +352,14 @@ def _fine_tuning_preset(init: Any, default_preset: str) -> str:
 def resolve(args: argparse.Namespace, default_preset: str, fine_tuning: bool = False) -> Run:
     """The run that `args` describe: fresh, or resumed from OUT/last (written once for every family)."""
     given = _given(args)
+    for key in ("data", "val_data"):
+        if isinstance(given.get(key), str) and not given[key].strip():
+            raise UserError(f"--{key.replace('_', '-')} must name a file, folder or glob, got {given[key]!r}")
     if fine_tuning and "preset" not in given and not args.resume:
         given["preset"] = _fine_tuning_preset(given.get("init"), default_preset)
     out = given.pop("out", None) or Path("runs") / given.get("preset", default_preset)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a run directory")
     saved = read_run_recipe(out) if args.resume else {}
     if "preset" in given and "preset" in saved:
         refuse_changes("run", {"preset": saved["preset"]}, {"preset": given["preset"]})

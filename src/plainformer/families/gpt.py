@@ -37,6 +37,7 @@ def train(run: Run) -> dict[str, Any]:
     sources: dict[str, Any] = dict(val_path=options.get("val_data"),
                                    text_field=options.get("text_field") or "text", progress=run.progress,
                                    log=log)
+    _check_text_field(options)
     if run.fine_tuning:
         return _fine_tune(run, sources)
     if run.checkpoint is not None:  # resuming
@@ -56,6 +57,17 @@ def train(run: Run) -> dict[str, Any]:
     log(f"model: GPT {run.preset}, {model.num_parameters():,} parameters -> {run.out}")
     return _fit(run, model, LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
                                           seed=run.train.seed), data.tokenizer)
+
+
+def _check_text_field(options: dict[str, Any]) -> None:
+    """--text-field names a field of JSON Lines records: given with other data, it is a mistake."""
+    if options.get("text_field") is None:
+        return
+    for name in ("data", "val_data"):
+        path = options.get(name)
+        if path is None and name == "data" or path is not None and str(path).endswith((".txt", ".txt.gz")):
+            what = "the bundled corpus" if path is None else str(path)
+            raise UserError(f"--text-field names the field of JSON Lines records (.jsonl); {what} is plain text")
 
 
 def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:

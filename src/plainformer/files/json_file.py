@@ -19,6 +19,8 @@ def read_json(path: str | os.PathLike, *, error: type[Exception] = ValueError, w
         raise error(f"{path} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as reason:
         raise error(f"{path} is not {what}: {reason}") from None
+    except RecursionError:
+        raise error(f"{path} is not {what}: it nests too deeply to read") from None
 
 
 def read_json_object(path: str | os.PathLike, *, error: type[Exception] = ValueError,

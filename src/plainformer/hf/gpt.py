@@ -340,6 +340,16 @@ def save_hf(model: GPT | BertModel, directory: str | os.PathLike, *,
     return directory
 
 
+def _with_zero_biases(config: GPTConfig, state: Mapping[str, Tensor]) -> tuple[GPTConfig, dict[str, Tensor]]:
+    """A GPT without biases (nanoGPT's bias=False) as the GPT-2 layout holds it, whose every linear
+    layer and LayerNorm has a bias: zeros, which compute the same function."""
+    with_biases = config.replace(bias=True)
+    like = state["token_embedding.weight"]
+    zeros = {name: torch.zeros(state[name.removesuffix(".bias") + ".weight"].shape[0], dtype=like.dtype)
+             for w in weight_map(with_biases, GPT2) for name in w.ours if name.endswith(".bias")}
+    return with_biases, {**state, **zeros}
+
+
 def _max_len(model: GPT | BertModel) -> int:
     return model.config.block_size if isinstance(model, GPT) else model.config.max_len
 
@@ -353,6 +363,8 @@ def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
         config = config.replace(vocab_size=tokenizer.vocab_size)  # why: padding rows no id reaches
         state = {k: v[:tokenizer.vocab_size] if k in ("token_embedding.weight", f"{HEAD}.weight") else v
                  for k, v in state.items()}
+    if config.pos_encoding == "learned" and not config.bias:
+        config, state = _with_zero_biases(config, state)
     hf_config = gpt_config_to_hf(config, tokenizer, dtype=model.token_embedding.weight.dtype)
     tensors = state_to_hf(state, config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -405,7 +417,10 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
     index = directory / SHARD_INDEX
     if (directory / SAFETENSORS).is_file() or not index.is_file():
         return read_hf_weights(directory)
-    shards = sorted(set(read_json_object(index).get("weight_map", {}).values()))
+    mapping = read_json_object(index).get("weight_map", {})
+    if not isinstance(mapping, dict) or not all(isinstance(shard, str) for shard in mapping.values()):
+        raise ValueError(f"{index}: weight_map must map weight names to shard file names, got {mapping!r:.100}")
+    shards = sorted(set(mapping.values()))
     if not shards or any(Path(shard).name != shard for shard in shards):
         raise ValueError(f"{index} must map weights to shard files in {directory}")
     return {name: tensor for shard in shards for name, tensor in load_file(directory / shard).items()}

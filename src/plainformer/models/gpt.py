@@ -122,6 +122,14 @@ class GPTConfig(Config):
         return self.d_model // self.n_heads
 
 
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of logits (B, n, V) against targets (B, n) over the positions that are not
+    IGNORE_INDEX; 0 when every position is (a mean over nothing would be NaN), found without a sync."""
+    summed = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+    return summed / (targets != IGNORE_INDEX).sum().clamp_min(1)
+
+
 class Block(nn.Module):
     """One GPT block, built from the GPTConfig it belongs to (pre-LN, as GPT-2 and nanoGPT):
 
@@ -251,7 +259,11 @@ class GPT(SavedModel):
         logits = self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
+        try:  # a target out of range makes the CPU loss raise IndexError: explained here, read nothing before
+            loss = next_token_loss(logits, targets)
+        except IndexError:
+            raise ValueError(f"targets must hold token ids in [0, {self.config.vocab_size}) or IGNORE_INDEX "
+                             f"({IGNORE_INDEX}) for positions to ignore") from None
         if self.training and self.config.n_experts:
             aux, z = mean_router_losses(moe_layers(self))
             loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z

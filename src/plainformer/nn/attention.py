@@ -384,6 +384,12 @@ class MultiHeadAttention(nn.Module):
             _checks.check_floating(name, x)
             _checks.check_last_dim(name, x, self.d_model, "d_model")
         # dtypes may differ under autocast (a LayerNorm output in float32 meets a bf16 query)
+        if not torch.is_autocast_enabled(query.device.type):
+            weight = self.W_q.weight
+            for name, x in (("query", query), ("key", key), ("value", value)):
+                if x.dtype != weight.dtype:
+                    raise TypeError(f"{name} is {x.dtype} but the layer's weights are {weight.dtype}: convert "
+                                    f"one to the other (e.g. layer.to({x.dtype})) or run under torch.autocast")
         _checks.check_same_device(query=query, key=key, value=value)
         if key.shape[:2] != value.shape[:2]:
             raise ValueError(f"key and value must have the same (B, m), got key {tuple(key.shape)} "
