@@ -9,6 +9,8 @@ peer's; in bf16 rounding differs between implementations, so they part sooner or
   ours (KV cache)     `GPT.generate(..., temperature=0)`: preallocated KV cache, one token per step
   ours (no cache)     `use_cache=False`: the whole context again at every step
   ours bf16           the same model cast to bfloat16 (weights, cache and activations)
+  ours int8           `pf.quantize(model, "int8")`: weight-only int8, per output row, on the fastest kernel
+                      measured on this CPU (nn/quantize.py; target: >= 1.6x our fp32 where one is fast)
   HF                  `GPT2LMHeadModel.generate(do_sample=False)` (its dynamic KV cache), fp32 and bf16
   ours batch 8 mixed  `GPT.generate([8 prompts], ...)`: 8 prompts of lengths prompt/8 .. prompt in one
                       left-padded batch, against the same 8 decoded one after another ("8 single runs");
@@ -41,6 +43,8 @@ from pathlib import Path
 import torch
 import transformers
 
+import plainformer as pf
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hf_gpt2 import gpt2_pair
 from attention import extra_peak_bytes
@@ -54,6 +58,8 @@ COMPARISONS = [
     ("ours bf16 vs HF fp32", "ours bf16 (KV cache)", "HF"),
     ("fp32: ours KV cache vs no cache", "ours (KV cache)", "ours (no cache)"),
     ("fp32: batch 8 mixed vs 8 single runs", "ours batch 8 mixed", "ours 8 single runs"),
+    ("int8: ours vs ours fp32", "ours int8 (KV cache)", "ours (KV cache)"),
+    ("int8: ours vs HF fp32", "ours int8 (KV cache)", "HF"),
 ]
 BATCH = 8
 GPT2 = dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, vocab_size=50257, block_size=1024)
@@ -92,6 +98,7 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
     theirs.generation_config.eos_token_id = None  # never stop early: exactly n tokens
     theirs.generation_config.pad_token_id = 0
     ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    ours_int8 = pf.quantize(copy.deepcopy(ours), "int8")
     theirs_bf16 = copy.deepcopy(theirs).to(torch.bfloat16)
     mask = torch.ones_like(prompt)
 
@@ -115,7 +122,8 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
 
     return {"ours (KV cache)": ours_call(ours), "HF": hf_call(theirs),
             "ours bf16 (KV cache)": ours_call(ours_bf16), "HF bf16": hf_call(theirs_bf16),
-            "ours (no cache)": ours_call(ours, use_cache=False), "ours batch 8 mixed": batch_call,
+            "ours (no cache)": ours_call(ours, use_cache=False), "ours int8 (KV cache)": ours_call(ours_int8),
+            "ours batch 8 mixed": batch_call,
             "ours 8 single runs": singles_call}, ours.num_parameters()
 
 

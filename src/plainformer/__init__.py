@@ -48,6 +48,7 @@ from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .nn.quantize import Int8Linear, quantize
 from .nn.rope import RotaryEmbedding
 from .training.config import TrainConfig
 from .training.optim import lr_at, make_optimizer
@@ -73,6 +74,7 @@ __all__ = [
     "FeedForward",
     "GPT",
     "GPTConfig",
+    "Int8Linear",
     "KVCache",
     "LoRAConfig",
     "LoRALinear",
@@ -122,6 +124,7 @@ __all__ = [
     "plot_attention_maps",
     "plot_loss_curve",
     "prepare_lm_data",
+    "quantize",
     "router_z_loss",
     "sample_next",
     "save_checkpoint",

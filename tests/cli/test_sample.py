@@ -3,6 +3,7 @@ equals its own run alone, stop strings that end a sample unprinted, and the one-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,18 @@ def test_a_prompt_file_without_prompts_is_one_line(capsys, run, tmp_path):
     (tmp_path / "empty.txt").write_text("\n  \n")
     code = main(["sample", "--ckpt", str(run), "--prompt-file", str(tmp_path / "empty.txt")])
     assert code == 2 and "holds no prompt" in capsys.readouterr().err
+
+
+def test_sample_and_eval_run_int8_weights_close_to_float32(capsys, run):
+    text = sample(capsys, run, "--prompt", "To be", "--quantize", "int8")
+    assert text.startswith("To be") and len(text) > len("To be\n")
+    losses = []
+    for extra in ([], ["--quantize", "int8"]):
+        assert main(["eval", "--ckpt", str(run), *extra]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["val_loss"])
+    assert abs(losses[1] - losses[0]) <= 0.02 * losses[0]
+
+
+def test_int8_with_bfloat16_is_one_line(capsys, run):
+    code = main(["sample", "--ckpt", str(run), "--quantize", "int8", "--dtype", "bfloat16"])
+    assert code == 2 and "--quantize int8 quantizes the float32 weights" in capsys.readouterr().err

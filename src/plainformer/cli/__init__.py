@@ -69,6 +69,10 @@ INFERENCE_DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = "precision to compute in: float32 or bfloat16"
 
 
+QUANTIZE_HELP = ("int8: weight-only int8 (one fp32 scale per output row) on the fastest kernel this CPU has "
+                 "(nn/quantize.py); said on stderr when none beats fp32")
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=INFERENCE_DTYPES, default="float32",
                         help=f"{DTYPE_HELP} (default: %(default)s)")

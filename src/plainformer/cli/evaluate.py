@@ -16,6 +16,7 @@ from ..hf.gpt import is_hf_directory
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,
+    QUANTIZE_HELP,
     UserError,
     add_threads_argument,
     non_negative_float,
@@ -31,7 +32,7 @@ def flag_families(name: str) -> tuple[str, ...]:
 
 
 # The flags of some families only (each family's `eval_options` says which apply to it).
-EVAL_FLAGS = ("data", "dtype", "beam", "length_penalty", "task", "split")
+EVAL_FLAGS = ("data", "dtype", "quantize", "beam", "length_penalty", "task", "split")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
                                    "bundled corpus)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
+    gpt.add_argument("--quantize", choices=("int8",), help=f"{QUANTIZE_HELP} [gpt]")
     seq2seq = parser.add_argument_group(f"encoder-decoder [{', '.join(flag_families('beam'))}]")
     seq2seq.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy (default: 1)")
     seq2seq.add_argument("--length-penalty", type=non_negative_float, default=None, help="α (default: 0.6)")

@@ -25,6 +25,7 @@ from ..generation.stopping import StopStrings
 from ..models.gpt import GPT
 from ..nn.lora import unload_lora
 from . import (
+    QUANTIZE_HELP,
     UserError,
     add_dtype_argument,
     add_product_arguments,
@@ -45,6 +46,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ckpt", type=Path, required=True,
                         help="checkpoint directory, or a run directory (its best/ or last/)")
     add_dtype_argument(parser)
+    parser.add_argument("--quantize", choices=("int8",), help=QUANTIZE_HELP)
     parser.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     parser.add_argument("--prompt-file", type=Path, metavar="FILE",
                         help="one prompt a line (an escaped \\n is a newline), sampled in one batch")
@@ -96,7 +98,7 @@ def _encoded(tokenizer: Any, prompts: list[str], flag: str) -> list[list[int]]:
 def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(args)
     flag = "--prompt" if args.prompt_file is None else "--prompt-file"
-    model, tokenizer = load_language_model(checkpoint_dir(args.ckpt), args.dtype)
+    model, tokenizer = load_language_model(checkpoint_dir(args.ckpt), args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None

@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
+from ..nn.quantize import quantize
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, fit
@@ -112,14 +113,23 @@ def from_base(directory: Path, changes: Mapping[str, Any]) -> GPT:
     return model
 
 
-def load_language_model(path: Path, dtype: str = "float32") -> tuple[GPT, Tokenizer]:
+def load_language_model(path: Path, dtype: str = "float32", quantized: str | None = None
+                        ) -> tuple[GPT, Tokenizer]:
     """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama
-    directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16")."""
+    directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16"), or `quantized`
+    ("int8": a LoRA run's adapter merged first; `nn.quantize`)."""
     model = load_hf(path) if is_hf_directory(path) else load_trained(load_checkpoint(path), GPT_FAMILY)
     if not isinstance(model, GPT):
         raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")
     if model.tokenizer is None:
         raise UserError(f"{path} holds no tokenizer, so text cannot be encoded")
+    if quantized is not None:
+        if dtype != "float32":
+            raise UserError(f"--quantize {quantized} quantizes the float32 weights: leave --dtype out")
+        try:
+            quantize(unload_lora(model), quantized, log=log)
+        except ValueError as error:
+            raise UserError(f"--quantize {quantized}: {error}") from None
     return (model.to(torch.bfloat16) if dtype == "bfloat16" else model), model.tokenizer
 
 
@@ -127,7 +137,7 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
              ) -> dict[str, Any]:
     """`plainformer eval` of a GPT: mean next-token loss over the whole validation split of --data
     (default: the run's, else the bundled corpus), in consecutive windows of block_size tokens."""
-    model, tokenizer = load_language_model(checkpoint, args.dtype or "float32")
+    model, tokenizer = load_language_model(checkpoint, args.dtype or "float32", quantized=args.quantize)
     data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=tokenizer,
                            val_path=None if args.data else recipe.get("val_data"),
                            text_field=recipe.get("text_field") or "text")
@@ -142,5 +152,5 @@ def export(model: nn.Module, directory: Path, tokenizer: Any) -> None:
 GPT_FAMILY = Family(
     name="gpt", model=GPT, config=GPTConfig, data_fields=("vocab_size",),
     options=("data", "val_data", "text_field", "tokenizer", "vocab_size", "threads", *FINE_TUNING_OPTIONS),
-    train=train, evaluate=evaluate, eval_options=("data", "dtype"), finetune_fields=("dropout",),
+    train=train, evaluate=evaluate, eval_options=("data", "dtype", "quantize"), finetune_fields=("dropout",),
     from_base=from_base, export=export, positions="block_size")

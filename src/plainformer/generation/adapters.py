@@ -18,8 +18,10 @@ from ..nn.linear import linear
 class _LanguageModel(Protocol):
     """What `GPTDecoder` reads from a GPT."""
 
-    lm_head: torch.nn.Linear
     norm: torch.nn.Module
+
+    @property
+    def lm_head(self) -> torch.nn.Module: ...
 
     @property
     def block_size(self) -> int: ...
@@ -56,7 +58,8 @@ class GPTDecoder:
     def __init__(self, model: _LanguageModel):
         self.model = model
         self.block_size = model.block_size
-        self.output_weight = model.lm_head.weight.detach()
+        head = model.lm_head
+        self.output_weight = head.weight.detach() if isinstance(head, torch.nn.Linear) else None
         self._output_weight_t: Tensor | None = None
 
     def new_kv_caches(self, batch_size: int) -> list[Any]:
@@ -67,6 +70,8 @@ class GPTDecoder:
         hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
         last = self.model.norm(hidden[:, -1:])  # (B, 1, d_model)
         weight = self.output_weight
+        if weight is None:  # a head of its own kind (nn.quantize's int8): it knows its kernel
+            return self.model.lm_head(last), None
         if weight.dtype != torch.float32:
             return linear(last, weight), None
         if last.shape[0] > 1:

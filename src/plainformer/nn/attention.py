@@ -384,8 +384,8 @@ class MultiHeadAttention(nn.Module):
             _checks.check_floating(name, x)
             _checks.check_last_dim(name, x, self.d_model, "d_model")
         # dtypes may differ under autocast (a LayerNorm output in float32 meets a bf16 query)
-        if not torch.is_autocast_enabled(query.device.type):
-            weight = self.W_q.weight
+        weight = getattr(self.W_q, "weight", None)  # an int8 layer (nn/quantize.py) takes any float input
+        if weight is not None and not torch.is_autocast_enabled(query.device.type):
             for name, x in (("query", query), ("key", key), ("value", value)):
                 if x.dtype != weight.dtype:
                     raise TypeError(f"{name} is {x.dtype} but the layer's weights are {weight.dtype}: convert "
