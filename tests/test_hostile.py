@@ -725,3 +725,21 @@ def test_targets_that_are_all_ignored_give_a_zero_loss_not_nan():
     _, loss = _gpt()(torch.zeros(2, 4, dtype=torch.long), torch.full((2, 4), -100))
     assert loss.item() == 0.0
     loss.backward()  # and gradients of zero, not NaN
+
+
+@pytest.mark.parametrize("config, message", [
+    (None, r"holds neither a plainformer checkpoint or run \(manifest\.json, best/, last/\) nor a Hugging Face"),
+    ("{not json", r"config\.json is not a Hugging Face config \(JSON\)"),
+    ('{"a": 1}', r"config\.json has no model_type: not a Hugging Face model"),
+    ('{"model_type": "gpt2", "n_embd": null, "n_head": 2}', r"n_embd must be a positive integer, got None"),
+    ('{"model_type": "bert", "hidden_size": -4}', r"config\.json: hidden_size must be a positive integer, got -4"),
+    ('{"model_type": "llama", "hidden_size": null}', r"hidden_size must be a positive integer, got None"),
+])
+@pytest.mark.parametrize("verb", ["export", "sample", "eval"])
+def test_a_directory_with_a_bad_or_no_config_says_what_is_wrong(verb, config, message, capsys, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    if config is not None:
+        (model / "config.json").write_text(config)
+    argv = {"export": ["--out", tmp_path / "out"], "sample": [], "eval": []}[verb]
+    assert_one_error_line(*run_cli(capsys, verb, "--ckpt", model, *argv), message)

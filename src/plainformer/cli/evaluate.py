@@ -11,7 +11,7 @@ from typing import Any
 from .. import families
 from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
-from ..families.family import run_and_checkpoint
+from ..families.family import refuse_non_model, run_and_checkpoint
 from ..hf.gpt import is_hf_directory
 from . import (
     DTYPE_HELP,
@@ -69,6 +69,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         run_dir, checkpoint, family = args.ckpt, args.ckpt, "gpt"
     else:
         run_dir, checkpoint = run_and_checkpoint(args.ckpt)
+        refuse_non_model(checkpoint)
         family = load_checkpoint(checkpoint, verify=False).family
     evaluated = {f.name: f.evaluate for f in families.FAMILIES.values() if f.evaluate is not None}
     if family not in evaluated:

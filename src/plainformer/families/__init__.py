@@ -14,7 +14,7 @@ from ..checkpoint.format import load_checkpoint
 from ..hf.gpt import is_hf_directory, load_hf
 from ..models.saved import SavedModel
 from .bert import BERT_CLS_FAMILY, BERT_FAMILY, BERT_MLM_FAMILY
-from .family import Family, checkpoint_dir
+from .family import Family, checkpoint_dir, refuse_non_model
 from .finetuning import load_trained
 from .gpt import GPT_FAMILY
 from .transformer import TRANSFORMER_FAMILY
@@ -44,8 +44,12 @@ def load_model(path: str | os.PathLike) -> SavedModel:
         raise FileNotFoundError(f"no model at {path}: the directory does not exist")
     if is_hf_directory(path):
         return load_hf(path)
-    checkpoint = load_checkpoint(checkpoint_dir(path))
+    directory = checkpoint_dir(path)
+    if directory == path:
+        refuse_non_model(path)
+    checkpoint = load_checkpoint(directory)
     if checkpoint.family not in FAMILIES:
         raise ValueError(f"{checkpoint.path} holds a {checkpoint.family!r} model; plainformer knows "
                          f"{', '.join(FAMILIES)}")
     return load_trained(checkpoint, FAMILIES[checkpoint.family])
+

@@ -17,9 +17,11 @@ from typing import Any, TypeVar
 import yaml
 from torch import nn
 
-from ..checkpoint.format import Checkpoint, find_checkpoint
+from ..checkpoint.format import MANIFEST, Checkpoint, find_checkpoint
 from ..config import Config
 from ..files.atomic import atomic_path
+from ..files.json_file import read_json_object
+from ..hf.gpt import is_hf_directory
 from ..models.saved import SavedModel
 from ..training.config import TrainConfig
 from ..training.distributed import log
@@ -150,6 +152,21 @@ def checkpoint_dir(path: Path) -> Path:
                 log(f"plainformer: {candidate} is missing; loading {found}, left by a save that was interrupted")
             return found
     return path
+
+
+def refuse_non_model(path: Path) -> None:
+    """A ValueError for a directory that holds no plainformer checkpoint and no Hugging Face model, saying
+    what its config.json lacks if it has one; nothing for any other path (a checkpoint, or one to be found
+    by `load_checkpoint`, which names what is missing)."""
+    if not path.is_dir() or (path / MANIFEST).is_file() or is_hf_directory(path):
+        return
+    config = path / "config.json"
+    if config.is_file():
+        read_json_object(config, what="a Hugging Face config (JSON)")  # names what is wrong with it
+        raise ValueError(f"{config} has no model_type: not a Hugging Face model (and {path} holds no "
+                         "plainformer checkpoint: manifest.json is missing)")
+    raise ValueError(f"{path} holds neither a plainformer checkpoint or run (manifest.json, best/, last/) nor "
+                     "a Hugging Face model (config.json)")
 
 
 def run_and_checkpoint(path: Path) -> tuple[Path, Path]:

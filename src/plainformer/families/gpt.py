@@ -25,7 +25,7 @@ from ..nn.lora import unload_lora
 from ..nn.quantize import quantize
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, fit
+from .family import FINE_TUNING_OPTIONS, Family, Run, fit, refuse_non_model
 from .finetuning import load_trained, starting_model
 
 DEFAULT_BPE_VOCAB = 2048
@@ -118,6 +118,7 @@ def load_language_model(path: Path, dtype: str = "float32", quantized: str | Non
     """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama
     directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16"), or `quantized`
     ("int8": a LoRA run's adapter merged first; `nn.quantize`)."""
+    refuse_non_model(path)
     model = load_hf(path) if is_hf_directory(path) else load_trained(load_checkpoint(path), GPT_FAMILY)
     if not isinstance(model, GPT):
         raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")

@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from .. import _checks
 from ..data.tokenizers import WordPieceTokenizer
 from ..files.atomic import atomic_path, reporting_full_disk
 from ..files.json_file import read_json_object
@@ -130,8 +131,26 @@ def resolve_bert_path(name_or_dir: str | os.PathLike) -> Path:
     return directory
 
 
+#: The keys of a Hugging Face config.json that are sizes, in the layouts read here (BERT, GPT-2, Llama),
+#: and those of them that may be null (the layout then derives them).
+HF_SIZES = ("vocab_size", "type_vocab_size", "max_position_embeddings", "n_positions", "hidden_size", "n_embd",
+            "num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "intermediate_size")
+HF_OPTIONAL_SIZES = ("n_inner", "head_dim", "num_key_value_heads")
+
+
+def check_hf_sizes(hf: Mapping[str, Any]) -> None:
+    """Each size in a Hugging Face config.json is a positive integer (or null where it may be), checked
+    before any arithmetic on it, so that a bad one is named in Hugging Face's words."""
+    for key in (*HF_SIZES, *HF_OPTIONAL_SIZES):
+        value = hf.get(key)
+        allowed = _checks.is_int(value) and value > 0 or value is None and key in HF_OPTIONAL_SIZES
+        if key in hf and not allowed:
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+
+
 def bert_config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     """A BertConfig from the contents of a Hugging Face BERT config.json."""
+    check_hf_sizes(hf)
     model_type = hf.get("model_type", "bert")
     if model_type != "bert":
         raise ValueError(f"config.json describes a {model_type!r} model; only 'bert' loads into BertModel")

@@ -54,6 +54,7 @@ from ..models.gpt import GPT, GPTConfig
 from .bert import (
     HF_CONFIG,
     SAFETENSORS,
+    check_hf_sizes,
     load_hf_bert,
     load_hf_bert_tokenizer,
     read_hf_weights,
@@ -319,6 +320,7 @@ def gpt_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     if model_type not in LAYOUTS:
         raise ValueError(f"config.json describes a {model_type!r} model; a GPT loads from "
                          f"{' or '.join(map(repr, LAYOUTS))}")
+    check_hf_sizes(hf)
     return GPTConfig.from_dict({**LAYOUTS[model_type].config_from_hf(hf), **overrides})
 
 
