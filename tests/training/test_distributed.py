@@ -324,27 +324,35 @@ def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "PLAINFORMER_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    argv = ["train", "--out", str(out), "--max-steps", "100000", "--batch-size", "2", "--block-size", "16",
+    corpus = tmp_path / "corpus.txt"  # small, so that preparing it is no race against the deadline
+    corpus.write_text("\n\n\n".join(f"ACT {i}. To be, or not to be, that is the question.\n" * 20 for i in range(5)))
+    argv = ["train", "--data", str(corpus), "--out", str(out), "--max-steps", "100000", "--batch-size", "2",
+            "--block-size", "16",
             "--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--eval-batches", "1",
             "--dtype", "float32", "--no-progress", "--log-interval", "1", "--save-interval", "0",
             "--eval-interval", "0"]
     code = f"from plainformer.training.distributed import run_torchrun; raise SystemExit(run_torchrun(2, {argv!r}))"
-    # Its own process group stands for the terminal's foreground group that Ctrl-C signals.
+    # Its own process group stands for the terminal's foreground group that Ctrl-C signals. Its output goes
+    # to files, not pipes: nobody reads a pipe while waiting, and a full one would stop the ranks.
+    stdout_file, stderr_file = (open(tmp_path / name, "w+") for name in ("stdout", "stderr"))
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=stdout_file, stderr=stderr_file, text=True)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
             if launcher.poll() is not None:
                 pytest.fail(f"the launcher exited ({launcher.returncode}) before training started:\n"
-                            f"{launcher.communicate()[1][-3000:]}")
+                            f"{(tmp_path / 'stderr').read_text()[-3000:]}")
             assert time.monotonic() < deadline, "training did not start within 180 s"
             time.sleep(0.5)
         os.killpg(launcher.pid, signal.SIGINT)
-        stdout, stderr = launcher.communicate(timeout=60)
+        launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+        stdout_file.close()
+        stderr_file.close()
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert launcher.returncode == 130, stderr[-3000:]
     report = json.loads(stdout.splitlines()[-1])
     assert report["interrupted"] and load_checkpoint(out / "last").trainer_state["step"] == report["step"]
