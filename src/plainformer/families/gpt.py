@@ -64,11 +64,12 @@ def _check_text_field(options: dict[str, Any]) -> None:
     """--text-field names a field of JSON Lines records: given with other data, it is a mistake."""
     if options.get("text_field") is None:
         return
-    for name in ("data", "val_data"):
-        path = options.get(name)
-        if path is None and name == "data" or path is not None and str(path).endswith((".txt", ".txt.gz")):
-            what = "the bundled corpus" if path is None else str(path)
-            raise UserError(f"--text-field names the field of JSON Lines records (.jsonl); {what} is plain text")
+    plain_text = [str(path) for path in (options.get("data"), options.get("val_data"))
+                  if path is not None and str(path).endswith((".txt", ".txt.gz"))]
+    if options.get("data") is None:
+        plain_text.insert(0, "the bundled corpus")
+    if plain_text:
+        raise UserError(f"--text-field names the field of JSON Lines records (.jsonl); {plain_text[0]} is plain text")
 
 
 def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:

@@ -172,8 +172,15 @@ def generate_prompts(model: IncrementalDecoder, prompts: Sequence[Sequence[int] 
     `options` are `iter_generate`'s. Stop strings are read from the text after every token (one host
     copy per token); without them the tokens are read once, at the end."""
     idx, pads = pad_prompts(prompts, pad_id, device=device)
+    return generate_padded(model, idx, pads, max_new_tokens, eos_id=eos_id, stop=stop, **options)
+
+
+def generate_padded(model: IncrementalDecoder, idx: Tensor, pads: list[int], max_new_tokens: int, *,
+                    eos_id: int | None = None, stop: StopStrings | None = None, **options: Any) -> list[list[int]]:
+    """`generate_prompts` of prompts already padded by `pad_prompts` (idx (B, n), pads)."""
+    rows = idx.shape[0]
     steps = iter_generate(model, idx, max_new_tokens, eos_id=eos_id, pads=pads, **options)
-    new = _until_stopped(steps, len(prompts), eos_id, stop) if stop else _until_eos(steps, len(prompts), eos_id)
+    new = _until_stopped(steps, rows, eos_id, stop) if stop else _until_eos(steps, rows, eos_id)
     return [row[pad:] + tokens for row, pad, tokens in zip(idx.tolist(), pads, new, strict=True)]
 
 

@@ -31,7 +31,7 @@ from ..config import Config, greater_than, non_negative, non_negative_int, one_o
 from ..constants import IGNORE_INDEX
 from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
-from ..generation.decoding import generate_prompts, pad_prompts
+from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators
 from ..generation.stopping import StopStrings
 from ..nn.attention import BACKENDS, MultiHeadAttention
@@ -352,12 +352,12 @@ class GPT(SavedModel):
                 raise ValueError("stop strings end rows of different lengths: give the prompts as a list")
             with eval_mode(self), torch.inference_mode():
                 return generate_tokens(self.decoder(), idx, max_new_tokens, eos_id=eos_id, **options)
-        prompts, _ = pad_prompts(idx)
+        prompts, pads = pad_prompts(idx, device=self.token_embedding.weight.device)
         _checks.check_token_ids("idx", prompts, self.config.vocab_size)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer to read the text; this GPT has none")
         stops = StopStrings(self.tokenizer.decode, stop) if stop and self.tokenizer is not None else None
         with eval_mode(self), torch.inference_mode():
-            return generate_prompts(self.decoder(), idx, max_new_tokens, eos_id=eos_id, stop=stops,
-                                    device=self.token_embedding.weight.device, **options)
+            return generate_padded(self.decoder(), prompts, pads, max_new_tokens, eos_id=eos_id, stop=stops,
+                                   **options)
 
