@@ -36,7 +36,8 @@ from .models import (
     Transformer,
     TransformerConfig,
 )
-from .models.attention_maps import attention_maps, plot_attention_maps
+from .models.attention_html import attention_data, attention_html
+from .models.attention_maps import all_attention_maps, attention_maps, plot_attention_maps
 from .models.gpt import Block
 from .nn.attention import MultiHeadAttention, attention, scaled_dot_product_attention
 from .nn.blocks import Decoder, DecoderCache, DecoderLayer, Encoder, EncoderLayer
@@ -98,7 +99,10 @@ __all__ = [
     "WordPieceTokenizer",
     "Work",
     "add_lora",
+    "all_attention_maps",
     "attention",
+    "attention_data",
+    "attention_html",
     "attention_maps",
     "beam_search",
     "build_tokenizer",

@@ -19,7 +19,7 @@ import plainformer as pf
 from plainformer.cli import hf as cli_hf
 from plainformer.cli import main
 from plainformer.cli import train as cli_train
-from plainformer.models.attention_maps import attention_maps, figure_size
+from plainformer.models.attention_maps import attention_maps, figure_size, visible
 
 TOLERANCE = 1e-4  # fp32 logits
 TEXT = "To be, or not to be"
@@ -105,7 +105,7 @@ def test_attention_plots_the_need_weights_maps_in_a_png_of_the_grid_size(run, ca
     assert Image.open(tmp_path / "attn.png").size == figure_size(config.n_layers, config.n_heads, len(ids), len(ids))
     weights, labels = plotted[0]
     assert (weights - _reference_gpt_weights(model, ids)).abs().max().item() <= 1e-5
-    assert labels["queries"] == labels["keys"] == list(TEXT)
+    assert labels["queries"] == labels["keys"] == [visible(c) for c in TEXT]  # spaces shown as ␣
 
 
 def test_attention_of_one_layer_and_head_and_from_a_hugging_face_directory(run, capsys, monkeypatch, tmp_path):
@@ -118,6 +118,33 @@ def test_attention_of_one_layer_and_head_and_from_a_hugging_face_directory(run, 
     expected = _reference_gpt_weights(model, model.tokenizer.encode(TEXT))[1:2, 2:3]
     assert (plotted[0][0] - expected).abs().max().item() <= 1e-5
     assert Image.open(tmp_path / "one.png").size == figure_size(1, 1, len(TEXT), len(TEXT))
+
+
+def test_attention_html_writes_the_explorer_of_the_run_and_of_its_hugging_face_export(run, capsys, tmp_path):
+    model = pf.GPT.from_checkpoint(run / "best")
+    ids = torch.tensor(model.tokenizer.encode(TEXT))
+    assert run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "hf")[0] == 0
+    for ckpt in (run, tmp_path / "hf"):
+        page_path = tmp_path / ckpt.name / "attention.html"
+        code, stdout, _ = run_cli(capsys, "attention", "--ckpt", ckpt, "--text", TEXT, "--html", page_path)
+        assert code == 0
+        page = page_path.read_text(encoding="utf-8")
+        assert json.loads(stdout.splitlines()[-1]) == {"html": str(page_path), "bytes": len(page.encode())}
+        data = json.loads(page.split('id="attention-data">')[1].split("</script>")[0])
+        embedded = torch.tensor(data["weights"])
+        assert (embedded - attention_maps(model, ids)).abs().max().item() <= 0.5e-3 + 1e-6  # 3 decimals
+        assert len(data["next_tokens"]) == len(ids) and data["tokens"] == [visible(c) for c in TEXT]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give --out (a PNG of the maps), --html (the explorer page) or both"),
+    (["--html", "a.html", "--layer", "1"],
+     "--layer and --head choose what the PNG --out shows; the --html page holds every one"),
+    (["--html", "a.html", "--decimals", "9"], "--decimals must be in [1, 6], got 9"),
+])
+def test_attention_outputs_are_checked_before_the_model_loads(capsys, tmp_path, argv, message):
+    code, stdout, stderr = run_cli(capsys, "attention", "--ckpt", tmp_path / "missing", "--text", "a", *argv)
+    assert code == 2 and stdout == "" and stderr == f"plainformer: error: {message}\n"
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -2,6 +2,7 @@
 
     plainformer export --ckpt RUN --out DIR        DIR loads with AutoModelForCausalLM / AutoTokenizer
     plainformer attention --ckpt RUN --text "..." --out attn.png [--layer L] [--head H]
+    plainformer attention --ckpt RUN --text "..." --html attn.html     (the explorer: one self-contained page)
     plainformer attention --ckpt RUN --source "..." --target "..." --out attn.png   (encoder-decoder)
 
 --ckpt takes a checkpoint directory, a run directory (its best/, else last/; a LoRA run's model is its
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .. import families
 from ..data.tokenizers import Tokenizer
 from ..families.family import Family
+from ..files.atomic import atomic_path
 from ..hf.gpt import read_hf_config
+from ..models.attention_html import DECIMALS, PROBABILITY_DECIMALS, attention_html, token_labels
 from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.saved import SavedModel
 from ..nn.lora import unload_lora
@@ -80,39 +84,79 @@ def _register_attention(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--text", help="the text whose self-attention is plotted (GPT, BERT)")
     parser.add_argument("--source", help="encoder-decoder: the source sentence")
     parser.add_argument("--target", help="encoder-decoder: the target sentence (after BOS)")
-    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
-    parser.add_argument("--layer", type=int, help="one layer only (default: all)")
-    parser.add_argument("--head", type=int, help="one head only (default: all)")
+    parser.add_argument("--out", type=Path, help="the PNG to write")
+    parser.add_argument("--html", type=Path, help="the attention explorer to write: one self-contained HTML page "
+                                                  "(head view, model view, a GPT's next tokens)")
+    parser.add_argument("--decimals", type=int, default=DECIMALS,
+                        help=f"--html: the weights are rounded to this many decimals (default {DECIMALS})")
+    parser.add_argument("--layer", type=int, help="--out: one layer only (default: all)")
+    parser.add_argument("--head", type=int, help="--out: one head only (default: all)")
     parser.set_defaults(run=run_attention)
 
 
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
+    _check_attention_outputs(args)
     model, family = load_any(args.ckpt)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise UserError(f"{args.ckpt} holds no tokenizer, so the text cannot be encoded")
+    idx, tgt = _attention_inputs(args, model, family, tokenizer)
+    result: dict[str, Any] = {}
+    if args.out is not None:
+        result = _plot(args, model, tokenizer, idx, tgt)
+    if args.html is not None:
+        page = attention_html(model, idx, tgt, tokenizer=tokenizer, decimals=args.decimals,
+                              title=f"{args.ckpt.name or args.ckpt}: attention")
+        _write_text(args.html, page)
+        result = {**result, "html": str(args.html), "bytes": len(page.encode())}
+    return result
+
+
+def _check_attention_outputs(args: argparse.Namespace) -> None:
+    if args.out is None and args.html is None:
+        raise UserError("give --out (a PNG of the maps), --html (the explorer page) or both")
+    if args.out is None and (args.layer is not None or args.head is not None):
+        raise UserError("--layer and --head choose what the PNG --out shows; the --html page holds every one")
+    if not 1 <= args.decimals <= PROBABILITY_DECIMALS:
+        raise UserError(f"--decimals must be in [1, {PROBABILITY_DECIMALS}], got {args.decimals}")
+
+
+def _attention_inputs(args: argparse.Namespace, model: SavedModel, family: Family,
+                      tokenizer: Tokenizer) -> tuple[Tensor, Tensor | None]:
+    """The ids whose attention is drawn: --text's, or --source's and BOS + --target's."""
     config: Any = model.config
+    max_len = getattr(config, family.positions)
     if family.cross_attention:
         if args.source is None or args.target is None or args.text is not None:
             raise UserError("an encoder-decoder plots cross-attention: give --source and --target, not --text")
         source, target = tokenizer.encode(args.source), [config.bos_id, *tokenizer.encode(args.target)]
-        _check_length("--source", source, getattr(config, family.positions))
-        _check_length("--target", target, getattr(config, family.positions))
-        weights = attention_maps(model, torch.tensor(source), torch.tensor(target))
-        queries, keys = _token_texts(tokenizer, target), _token_texts(tokenizer, source)
-    else:
-        if args.text is None or args.source is not None or args.target is not None:
-            raise UserError(f"a {type(model).__name__} plots self-attention: give --text, not --source/--target")
-        ids = tokenizer.encode(args.text)
-        _check_length("--text", ids, getattr(config, family.positions))
-        weights = attention_maps(model, torch.tensor(ids))
-        queries = keys = _token_texts(tokenizer, ids)
+        _check_length("--source", source, max_len)
+        _check_length("--target", target, max_len)
+        return torch.tensor(source), torch.tensor(target)
+    if args.text is None or args.source is not None or args.target is not None:
+        raise UserError(f"a {type(model).__name__} plots self-attention: give --text, not --source/--target")
+    ids = tokenizer.encode(args.text)
+    _check_length("--text", ids, max_len)
+    return torch.tensor(ids), None
+
+
+def _plot(args: argparse.Namespace, model: SavedModel, tokenizer: Tokenizer, idx: Tensor,
+          tgt: Tensor | None) -> dict[str, Any]:
+    weights = attention_maps(model, idx, tgt)
+    keys = token_labels(tokenizer, idx.tolist())
+    queries = keys if tgt is None else token_labels(tokenizer, tgt.tolist())
     layers = _selection("--layer", args.layer, weights.shape[0], "layers")
     heads = _selection("--head", args.head, weights.shape[1], "heads")
     plot_attention_maps(weights[layers][:, heads], args.out, queries=queries, keys=keys, layers=layers,
                         heads=heads)
     return {"out": str(args.out), "layers": len(layers), "heads": len(heads), "queries": len(queries),
             "keys": len(keys)}
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def _check_length(flag: str, ids: Sequence[int], max_len: int) -> None:
@@ -128,9 +172,3 @@ def _selection(flag: str, value: int | None, size: int, what: str) -> list[int]:
     if not 0 <= value < size:
         raise UserError(f"{flag} must be in [0, {size}) (the model has {size} {what}), got {value}")
     return [value]
-
-
-def _token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
-    """Each token's text, special tokens by name (decoding would drop them)."""
-    special = {tokenizer.token_to_id(token): token for token in tokenizer.special_tokens.values()}
-    return [special[i] if i in special else tokenizer.decode([i]) for i in ids]

@@ -133,6 +133,10 @@ class Tokenizer(abc.ABC):
     def token_to_id(self, token: str) -> int | None:
         ...
 
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary's entry for id i where it differs from decode([i]) (else None)."""
+        return None
+
     @abc.abstractmethod
     def _files(self) -> dict[str, str]:
         """File name -> content: what `save` writes and `fingerprint` hashes."""
@@ -253,6 +257,10 @@ class _HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary's entry for id i (a byte-level BPE piece in GPT-2's byte alphabet: "Ġthe")."""
+        return self._tok.id_to_token(i)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(_check_text("text", text)).ids

@@ -6,14 +6,15 @@ The weights come from `MultiHeadAttention(need_weights=True)` itself: while `rec
 open, every call of the chosen attention modules is made with need_weights=True (a forward pre-hook)
 and the weights are kept (a forward hook), the module passing on its usual output; the model's own
 forward runs unchanged. GPT and BERT give self-attention (n = m = tokens); the encoder-decoder
-`Transformer` gives the decoder's cross-attention, target positions over source positions.
+`Transformer` gives the decoder's cross-attention, target positions over source positions
+(`all_attention_maps`: its encoder and decoder self-attention too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,7 +64,34 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
     ids -> self-attention, (L, H, n, n). A Transformer: idx the source (m,), tgt the decoder input
     (n,) -> the decoder's cross-attention, (L, H, n, m).
     """
+    maps = all_attention_maps(model, idx, tgt)
+    return maps["cross"] if "cross" in maps else maps["self"]
+
+
+def all_attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> dict[str, Tensor]:
+    """Every attention of one sequence, by kind, from one forward pass:
+
+        GPT, BERT      {"self": (L, H, n, n)}
+        Transformer    {"encoder": (L_enc, H, m, m), "decoder": (L_dec, H, n, n), "cross": (L_dec, H, n, m)}
+
+    with idx (and tgt) as `attention_maps` takes them."""
+    return recorded_forward(model, idx, tgt)[0]
+
+
+def recorded_forward(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> tuple[dict[str, Tensor], Any]:
+    """`all_attention_maps` and the model's own output of the same forward pass (a GPT's: logits
+    (1, n, V) and None), in eval mode without gradients."""
     idx = _one_sequence("idx", idx)
+    model, groups, call = _attention_groups(model, idx, tgt)
+    with eval_mode(model), torch.no_grad(), contextlib.ExitStack() as stack:
+        recorded = {kind: stack.enter_context(recorded_attention(modules)) for kind, modules in groups.items()}
+        output = call()
+    return {kind: at_least_float32(torch.stack(weights)[:, 0]) for kind, weights in recorded.items()}, output
+
+
+def _attention_groups(model: nn.Module, idx: Tensor, tgt: Tensor | None
+                      ) -> tuple[nn.Module, dict[str, list[MultiHeadAttention]], Callable[[], Any]]:
+    """The model to run, its attention layers by kind, and the call that runs it on idx (and tgt)."""
     bert = getattr(model, "bert", None)
     if isinstance(bert, BertModel):
         model = bert
@@ -71,19 +99,17 @@ def attention_maps(model: nn.Module, idx: Tensor, tgt: Tensor | None = None) -> 
         if tgt is None:
             raise ValueError("tgt (the decoder's input ids) is required for a Transformer's cross-attention")
         tgt = _one_sequence("tgt", tgt)
-        modules = [layer.cross_attn for layer in model.decoder.layers]
-        call = lambda: model(idx, tgt)  # noqa: E731
-    elif isinstance(model, (GPT, BertModel)):
+        groups = {"encoder": [layer.self_attn for layer in model.encoder.layers],
+                  "decoder": [layer.self_attn for layer in model.decoder.layers],
+                  "cross": [layer.cross_attn for layer in model.decoder.layers]}
+        return model, cast(dict[str, list[MultiHeadAttention]], groups), lambda: model(idx, tgt)
+    if isinstance(model, (GPT, BertModel)):
         if tgt is not None:
             raise ValueError(f"tgt applies to an encoder-decoder Transformer only, not a {type(model).__name__}")
-        modules = [block.self_attn for block in (model.blocks if isinstance(model, GPT) else model.layers)]
-        call = lambda: model(idx)  # noqa: E731
-    else:
-        raise TypeError(f"model must be a GPT, a BERT or a Transformer, got {type(model).__name__}")
-    attentions = cast(list[MultiHeadAttention], modules)  # the layers' self_attn / cross_attn
-    with eval_mode(model), torch.no_grad(), recorded_attention(attentions) as weights:
-        call()
-    return at_least_float32(torch.stack(weights)[:, 0])  # (L, H, n, m)
+        blocks = model.blocks if isinstance(model, GPT) else model.layers
+        groups = {"self": [block.self_attn for block in blocks]}
+        return model, cast(dict[str, list[MultiHeadAttention]], groups), lambda: model(idx)
+    raise TypeError(f"model must be a GPT, a BERT or a Transformer, got {type(model).__name__}")
 
 
 def _one_sequence(name: str, ids: Tensor) -> Tensor:
@@ -107,9 +133,12 @@ def figure_size(n_layers: int, n_heads: int, n: int, m: int) -> tuple[int, int]:
     return round(n_heads * cell * DPI), round(n_layers * cell * DPI)
 
 
-def _label(token: str) -> str:
-    """A token's text as a tick label, spaces and line breaks made visible."""
-    return token.replace(" ", "\u2423").replace("\n", "\\n").replace("\t", "\\t")
+VISIBLE = {" ": "\u2423", "\n": "\u23ce", "\t": "\u21e5", "\r": "\u21a9"}  # ␣ ⏎ ⇥ ↩
+
+
+def visible(text: str) -> str:
+    """text with spaces, line breaks and tabs as ␣ ⏎ ⇥, other control characters as \\xNN."""
+    return "".join(VISIBLE.get(c, f"\\x{ord(c):02x}" if ord(c) < 32 else c) for c in text)
 
 
 def plot_attention_maps(weights: Tensor, png_path: str | os.PathLike, *, queries: Sequence[str],
@@ -139,8 +168,8 @@ def plot_attention_maps(weights: Tensor, png_path: str | os.PathLike, *, queries
             ax = axes[row][column]
             ax.imshow(weights[row, column].cpu().numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
             ax.set_title(f"layer {layer} head {head}", fontsize=8)
-            ax.set_xticks(range(m), [_label(k) for k in keys], rotation=90, fontsize=8)
-            ax.set_yticks(range(n), [_label(q) for q in queries], fontsize=8)
+            ax.set_xticks(range(m), [visible(k) for k in keys], rotation=90, fontsize=8)
+            ax.set_yticks(range(n), [visible(q) for q in queries], fontsize=8)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(png_path) as tmp:
