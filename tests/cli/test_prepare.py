@@ -4,7 +4,9 @@ from pathlib import Path
 import numpy as np
 
 from plainformer.cli import main
+from plainformer.data import prepared
 from plainformer.data.prepared import prepare_lm_data
+from plainformer.files.run_lock import LOCK_FILE
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:
@@ -52,3 +54,28 @@ def test_prepare_with_val_data_holds_out_that_data(capsys, tmp_path):
     assert (stats["train"]["documents"], stats["val"]["documents"]) == (1, 1)
     assert stats["val"]["characters"] == len("whether tis nobler")
     assert np.fromfile(Path(stats["cache"]) / "val.bin", dtype=np.uint16).size == stats["val"]["tokens"]
+
+
+def test_a_file_edited_while_it_is_read_is_refused_in_one_line_and_leaves_no_array(capsys, tmp_path, monkeypatch):
+    data = tmp_path / "c.txt"
+    text = "\n\n\n".join(f"document {i}\n" + "a line of text\n" * 20 for i in range(12))
+    data.write_text(text)
+    size = data.stat().st_size
+    real_write = prepared.write_tokens
+
+    def edit_then_write(path, tokens, dtype):  # the file shrinks as the encoding pass starts reading it
+        if path.name == "train.bin":
+            data.write_text(text[:len(text) // 2])
+        return real_write(path, tokens, dtype)
+
+    monkeypatch.setattr(prepared, "write_tokens", edit_then_write)
+    argv = ["prepare", "--data", str(data), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"plainformer: error: {data} changed while it was being read ({size:,} bytes then, "
+        f"{data.stat().st_size:,} now); run again once nothing writes to it"]
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [LOCK_FILE]
+    monkeypatch.undo()
+    assert main(argv) == 0  # the file as it now is
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["train"]["documents"] + stats["val"]["documents"] == 6

@@ -219,7 +219,7 @@ def test_concurrent_preparers_of_one_entry_prepare_it_once(tmp_path, monkeypatch
     def slow_prepare(directory, *args):
         prepared_in.append(directory)
         time.sleep(0.3)  # the other thread reaches the entry meanwhile
-        prepare(directory, *args)
+        return prepare(directory, *args)
 
     monkeypatch.setattr(prepared, "_prepare", slow_prepare)
     with ThreadPoolExecutor(2) as pool:
@@ -460,7 +460,7 @@ def test_an_interrupted_preparation_is_done_again_not_trusted(tmp_path, monkeypa
         prepare_lm_data(path, cache_dir=tmp_path / "cache")
     assert writes == ["train.bin", "val.bin"]
     (entry,) = (tmp_path / "cache" / "lm").iterdir()
-    assert (entry / "train.bin").is_file() and not (entry / "stats.json").exists()
+    assert not any((entry / name).exists() for name in ("train.bin", "val.bin", "stats.json", "tokenizer"))
     monkeypatch.setattr(prepared, "write_tokens", real_write)
     redone = prepare_lm_data(path, cache_dir=tmp_path / "cache")
     assert np.array_equal(redone.val_tokens, reference.val_tokens)

@@ -17,7 +17,9 @@ joined by the end-of-text token (a BPE tokenizer built here gains "<eos>") or th
 Cache: one directory per preparation, keyed by the files' paths, sizes and modification times, the
 split settings and the tokenizer (its kind and size, or a given tokenizer's fingerprint). `stats.json`
 is written last and atomically, and it records the token counts: an entry without it, or whose
-arrays do not match it (a preparation killed midway), is prepared again, never trusted.
+arrays do not match it (a preparation killed midway), is prepared again, never trusted. A file whose
+size or modification time changed while it was read is refused, and a preparation that fails leaves
+no array or tokenizer behind.
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
         spec = (tokenizer.fingerprint,)
     source = open_source(path, text_field=text_field)
     val_source = None if val_path is None else open_source(val_path, text_field=text_field)
+    sources = [source] if val_source is None else [source, val_source]
+    states = [s.file_states() for s in sources]  # before the fingerprints: what the entry is keyed on
     split_spec = val_source.fingerprint if val_source else check_val_fraction(val_fraction)
     directory = (Path(cache_dir or default_cache_dir()) / "lm"
                  / cache_key(FORMAT_VERSION, source.fingerprint, split_spec, *spec))
@@ -246,7 +250,15 @@ def prepare_lm_data(path: str | os.PathLike | None = None, *, tokenizer: str | T
         with run_lock(directory, wait=True):
             data = _load_prepared(directory, tokenizer)
             if data is None:
-                _prepare(directory, source, val_source, tokenizer, vocab_size, val_fraction, progress)
+                try:
+                    stats = _prepare(directory, source, val_source, tokenizer, vocab_size, val_fraction, progress)
+                    _check_unchanged(sources, states)
+                except BaseException:
+                    _discard(directory)
+                    _check_unchanged(sources, states)  # a file edited midway is the cause to report
+                    raise
+                with atomic_path(directory / "stats.json") as tmp:  # last: it makes the entry complete
+                    tmp.write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
                 data = _load_prepared(directory, tokenizer)
                 assert data is not None, "a preparation just written must load"
     if log:
@@ -280,8 +292,21 @@ def _remove_leftovers(directory: Path) -> None:
     remove_stale_temporaries(directory)
 
 
+def _check_unchanged(sources: Sequence[Source], states: Sequence[list[tuple[int, int]]]) -> None:
+    for source, before in zip(sources, states, strict=True):
+        source.check_unchanged(before)
+
+
+def _discard(directory: Path) -> None:
+    """Remove what a preparation that failed wrote (all but the lock it holds)."""
+    _remove_leftovers(directory)
+    for name in ("train.bin", "val.bin", "stats.json"):
+        (directory / name).unlink(missing_ok=True)
+
+
 def _prepare(directory: Path, source: Source, val_source: Source | None, tokenizer: str | Tokenizer,
-             vocab_size: int | None, val_fraction: float, progress: bool) -> None:
+             vocab_size: int | None, val_fraction: float, progress: bool) -> DataStats:
+    """Write the tokenizer and the arrays into `directory`; their statistics, for stats.json."""
     chars = CharSet() if tokenizer == "char" else None
     lengths = _scan(source, chars, progress)
     sources = [source]
@@ -318,8 +343,6 @@ def _prepare(directory: Path, source: Source, val_source: Source | None, tokeniz
             counter = _Counter(piece for _, piece in group)
             tokens = write_tokens(directory / f"{which}.bin", encode_documents(counter, tokenizer), dtype)
             splits[which] = SplitStats(counter.documents, counter.characters, tokens)
-    stats = DataStats(splits["train"], splits["val"], None if val_source else val_fraction, plan.note)
-    with atomic_path(directory / "stats.json") as tmp:
-        tmp.write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
+    return DataStats(splits["train"], splits["val"], None if val_source else val_fraction, plan.note)
 
 

@@ -31,7 +31,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .corpus import DOCUMENT_BREAK, bundled_works, load_text
@@ -88,10 +88,20 @@ class Source:
         """sha256 over each file's path, layout, size and modification time (and the JSON field):
         a changed, added or removed file changes it."""
         digest = hashlib.sha256(f"{self.text_field}\0".encode())
-        for file in self.files:
-            stat = file.path.stat()
-            digest.update(f"{file.path.resolve()}\0{file.layout}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        for file, (size, mtime_ns) in zip(self.files, self.file_states(), strict=True):
+            digest.update(f"{file.path.resolve()}\0{file.layout}\0{size}\0{mtime_ns}\0".encode())
         return digest.hexdigest()
+
+    def file_states(self) -> list[tuple[int, int]]:
+        """Each file's (size in bytes, modification time in ns) now: a file edited meanwhile differs."""
+        return [(stat.st_size, stat.st_mtime_ns) for stat in (file.path.stat() for file in self.files)]
+
+    def check_unchanged(self, states: Sequence[tuple[int, int]]) -> None:
+        """Raise ValueError naming the first file whose size or modification time differs from `states`."""
+        for file, before, now in zip(self.files, states, self.file_states(), strict=True):
+            if before != now:
+                raise ValueError(f"{file.path} changed while it was being read ({before[0]:,} bytes then, "
+                                 f"{now[0]:,} now); run again once nothing writes to it")
 
     @property
     def total_bytes(self) -> int:
