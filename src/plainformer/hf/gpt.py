@@ -2,7 +2,8 @@
 
 A directory is config.json + model.safetensors (+ the tokenizer's tokenizer.json and
 tokenizer_config.json), the files `transformers.AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` read. Each layout is a small declarative table of
+`AutoTokenizer.from_pretrained` read; `load_hf` also takes an older GPT-2 directory's tokenizer as
+vocab.json + merges.txt alone. Each layout is a small declarative table of
 (Hugging Face module, our module(s), kind); the kind says which tensors the module holds and how
 they are laid out:
 
@@ -11,6 +12,7 @@ they are laid out:
     norm        weight (+ bias for LayerNorm)   same
     linear      weight (+ bias)                 same: nn.Linear's (out, in)
     conv1d      weight + bias                   GPT-2's Conv1D stores Wᵀ, (in, out)
+    experts     weight, one module per expert   expert e's is ours[e]: ours stacks the E experts (E, out, in)
 
 A module mapped to several of ours is fused: HF's tensor is ours concatenated along the output
 axis, e.g. GPT-2's c_attn = [W_q | W_k | W_v] (equal parts, as GPT-2 has no grouped-query attention).
@@ -27,6 +29,19 @@ axis, e.g. GPT-2's c_attn = [W_q | W_k | W_v] (equal parts, as GPT-2 has no grou
     transformer.h.{i}.mlp.c_proj              ...mlp.down_proj                     blocks.{i}.ff.W_2
     transformer.ln_f                          model.norm                           norm
     lm_head (untied only)                     lm_head (untied only)                lm_head
+
+Mixtral (MixtralForCausalLM) is Llama with every feed-forward a Mixture of Experts (a GPT with
+n_experts > 0): softmax router, top-K, gates renormalised over the K, SwiGLU experts, as `nn.moe`:
+
+    Mixtral                                           plainformer GPT
+    model.layers.{i}.block_sparse_moe.gate            blocks.{i}.ff.router
+    ...block_sparse_moe.experts.{e}.w1 | w3 | w2      blocks.{i}.ff.W_1[e] | W_3[e] | W_2[e]
+
+These are the names Mixtral was published with, and what transformers' `save_pretrained` writes (from
+version 5 it holds the experts fused in memory, `mlp.experts.gate_up_proj` (E, 2·d_ff, d) =
+[W_1 | W_3] on axis 1 and `mlp.experts.down_proj` = W_2, and converts on loading and saving);
+`load_hf` reads either. Mixtral has no dense blocks between MoE ones, shared experts, capacity limit or
+balancing bias, so a GPT with one of them is refused.
 
 Llama's rotary embedding rotates the halves (x_i, x_{i+d/2}) of each head, as ours does, so q_proj
 and k_proj need no permutation. A tied output projection is written once (as the embedding).
@@ -60,9 +75,9 @@ from .bert import (
     read_hf_weights,
     save_hf_bert,
 )
-from .tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
+from .tokenizer_files import has_gpt2_files, load_hf_tokenizer, save_hf_tokenizer
 
-EMBEDDING, NORM, LINEAR, CONV1D = "embedding", "norm", "linear", "conv1d"
+EMBEDDING, NORM, LINEAR, CONV1D, EXPERTS = "embedding", "norm", "linear", "conv1d", "experts"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
@@ -74,11 +89,16 @@ class Layout:
     architecture: str
     base_prefix: str  # what HF's *ForCausalLM puts before the base model's names
     modules: tuple[tuple[str, str | tuple[str, ...], str], ...]  # outside the blocks
-    layer_prefix: str  # "{i}" is the block index
+    layer_prefix: str  # "{i}" is the block index; "{e}" in an experts entry is the expert's
     layer: tuple[tuple[str, str | tuple[str, ...], str], ...]
     ignored_suffixes: tuple[str, ...]  # buffers some checkpoints carry (masks, rotary tables)
     config_to_hf: Callable[[GPTConfig], dict[str, Any]]
     config_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+    # Our buffers the layout has no tensor for, at the one value it expresses (filled in on loading,
+    # checked on saving).
+    buffers: Callable[[GPTConfig], dict[str, Tensor]] = lambda config: {}
+    # Other names a Hugging Face version gives the same tensors -> the table's names.
+    renamed: Callable[[Mapping[str, Tensor]], Mapping[str, Tensor]] = lambda hf_state: hf_state
 
 
 # ----------------------------------------------------------------------------- GPT-2
@@ -142,23 +162,22 @@ GPT2 = Layout(
     config_to_hf=_gpt2_config_to_hf, config_from_hf=_gpt2_config_from_hf)
 
 
-# ----------------------------------------------------------------------------- Llama
+# ----------------------------------------------------------------------------- Llama, Mixtral
 
-def _llama_config_to_hf(config: GPTConfig) -> dict[str, Any]:
-    _require(config, pos_encoding="rope", layout="Llama")
-    _require(config, norm="rmsnorm", layout="Llama (rotary positions)")
-    _require(config, activation="swiglu", layout="Llama (rotary positions)")
+def _rotary_config_to_hf(config: GPTConfig, layout: str) -> dict[str, Any]:
+    """What Llama's and Mixtral's config.json share: RMSNorm, rotary positions, (grouped-query) attention."""
+    _require(config, pos_encoding="rope", layout=layout)
+    _require(config, norm="rmsnorm", layout=f"{layout} (rotary positions)")
     return {"vocab_size": config.vocab_size, "hidden_size": config.d_model,
             "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads or config.n_heads,
             "head_dim": config.head_dim, "max_position_embeddings": config.block_size, "hidden_act": "silu",
             "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_base,
             "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
-            "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": config.dropout,
-            "tie_word_embeddings": config.tie_weights}
+            "attention_dropout": config.dropout, "tie_word_embeddings": config.tie_weights}
 
 
-def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+def _rotary_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; a Llama feed-forward here is "
                          "SwiGLU (hidden_act='silu')")
@@ -172,36 +191,125 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     if head_dim * n_heads != d_model:
         raise ValueError(f"head_dim={head_dim} is not supported: plainformer's heads split d_model, "
                          f"so head_dim must be hidden_size / num_attention_heads = {d_model}/{n_heads}")
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        raise ValueError("attention_bias and mlp_bias must agree: plainformer has one bias switch")
     n_kv_heads = hf.get("num_key_value_heads") or n_heads
     return {"vocab_size": hf["vocab_size"], "block_size": hf.get("max_position_embeddings", 2048),
             "d_model": d_model, "n_layers": hf["num_hidden_layers"], "n_heads": n_heads,
             "n_kv_heads": None if n_kv_heads == n_heads else n_kv_heads, "d_ff": hf["intermediate_size"],
             "norm_eps": hf.get("rms_norm_eps", 1e-6),
             "rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            "bias": hf.get("attention_bias", False), "dropout": hf.get("attention_dropout", 0.0),
-            "tie_weights": hf.get("tie_word_embeddings", False), "pos_encoding": "rope",
-            "norm": "rmsnorm", "activation": "swiglu"}
+            "dropout": hf.get("attention_dropout", 0.0), "tie_weights": hf.get("tie_word_embeddings", False),
+            "pos_encoding": "rope", "norm": "rmsnorm", "activation": "swiglu"}
 
+
+def _llama_config_to_hf(config: GPTConfig) -> dict[str, Any]:
+    _require(config, activation="swiglu", layout="Llama (rotary positions)")
+    return {**_rotary_config_to_hf(config, "Llama"), "attention_bias": config.bias, "mlp_bias": config.bias}
+
+
+def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ValueError("attention_bias and mlp_bias must agree: plainformer has one bias switch")
+    return {**_rotary_config_from_hf(hf), "bias": hf.get("attention_bias", False)}
+
+
+# Attention and norms, named alike in Llama and Mixtral.
+_ROTARY_ATTENTION = (("input_layernorm", "norm1", NORM),
+                     ("self_attn.q_proj", "self_attn.W_q", LINEAR),
+                     ("self_attn.k_proj", "self_attn.W_k", LINEAR),
+                     ("self_attn.v_proj", "self_attn.W_v", LINEAR),
+                     ("self_attn.o_proj", "self_attn.W_o", LINEAR),
+                     ("post_attention_layernorm", "norm2", NORM))
+_ROTARY_OUTSIDE = (("model.embed_tokens", "token_embedding", EMBEDDING), ("model.norm", "norm", NORM))
 
 LLAMA = Layout(
     model_type="llama", architecture="LlamaForCausalLM", base_prefix="model.",
-    modules=(("model.embed_tokens", "token_embedding", EMBEDDING), ("model.norm", "norm", NORM)),
-    layer_prefix="model.layers.{i}.",
-    layer=(("input_layernorm", "norm1", NORM),
-           ("self_attn.q_proj", "self_attn.W_q", LINEAR),
-           ("self_attn.k_proj", "self_attn.W_k", LINEAR),
-           ("self_attn.v_proj", "self_attn.W_v", LINEAR),
-           ("self_attn.o_proj", "self_attn.W_o", LINEAR),
-           ("post_attention_layernorm", "norm2", NORM),
+    modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
+    layer=(*_ROTARY_ATTENTION,
            ("mlp.gate_proj", "ff.W_1", LINEAR),
            ("mlp.up_proj", "ff.W_3", LINEAR),
            ("mlp.down_proj", "ff.W_2", LINEAR)),
     ignored_suffixes=(".rotary_emb.inv_freq",),
     config_to_hf=_llama_config_to_hf, config_from_hf=_llama_config_from_hf)
 
-LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA)}
+# What MixtralConfig assumes for a key its config.json leaves out, where Llama's differs.
+_MIXTRAL_DEFAULTS = {"rope_theta": 1e6, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                     "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "router_aux_loss_coef": 0.001}
+
+
+def _mixtral_config_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """Every block MoE, routed by softmax scores alone and dropless, no bias anywhere, no shared experts.
+    router_aux_loss_coef carries aux_loss_coef (for one layer the same L_aux; over several transformers
+    pools the layers' routing statistics before the product where ours averages the layers' L_aux);
+    the z-loss weight has no Mixtral field (its loss has no z-loss) and is not written."""
+    hf = _rotary_config_to_hf(config, "Mixtral")
+    for field, value in (("bias", False), ("n_shared_experts", 0), ("first_dense_layers", 0),
+                         ("capacity_factor", None), ("bias_update_rate", 0.0)):
+        _require(config, layout="Mixtral", **{field: value})
+    if not all(config.is_moe_layer(i) for i in range(config.n_layers)):
+        raise ValueError(f"moe_every={config.moe_every} has no Hugging Face layout here: Mixtral's every "
+                         "block is a Mixture of Experts (moe_every=1)")
+    return {**hf, "num_local_experts": config.n_experts, "num_experts_per_tok": config.top_k,
+            "router_aux_loss_coef": config.aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": None,
+            "output_router_logits": False}
+
+
+def _mixtral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    hf = {**_MIXTRAL_DEFAULTS, **hf}
+    block_size = hf["max_position_embeddings"]
+    window = hf.get("sliding_window")
+    if window is not None and window < block_size:
+        raise ValueError(f"sliding_window={window} is not supported: plainformer's attention sees every "
+                         f"earlier position (sliding_window must be null or at least max_position_embeddings="
+                         f"{block_size})")
+    if hf.get("router_jitter_noise", 0.0):
+        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported: plainformer's "
+                         "router takes its input unperturbed (router_jitter_noise must be 0)")
+    return {**_rotary_config_from_hf(hf), "bias": False, "n_experts": hf["num_local_experts"],
+            "top_k": hf["num_experts_per_tok"], "aux_loss_coef": hf["router_aux_loss_coef"], "z_loss_coef": 0.0}
+
+
+def _zero_router_biases(config: GPTConfig) -> dict[str, Tensor]:
+    """The balancing bias b of every MoE block, zero: Mixtral chooses experts by the scores alone."""
+    return {f"blocks.{i}.ff.expert_bias": torch.zeros(config.n_experts) for i in range(config.n_layers)
+            if config.is_moe_layer(i)}
+
+
+def _per_expert(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """transformers 5's in-memory Mixtral names -> the per-expert ones of the table:
+    mlp.experts.gate_up_proj (E, 2·d_ff, d) = [w1 | w3] on axis 1, mlp.experts.down_proj (E, d, d_ff) = w2,
+    mlp.gate = block_sparse_moe.gate."""
+    state: dict[str, Tensor] = {}
+    for name, tensor in hf_state.items():
+        stem, mlp, leaf = name.partition(".mlp.")
+        if not mlp:
+            state[name] = tensor
+            continue
+        moe = f"{stem}.block_sparse_moe."
+        if leaf == "experts.gate_up_proj":
+            w1, w3 = tensor.chunk(2, dim=1)  # (E, d_ff, d) each
+            for e in range(tensor.shape[0]):
+                state[f"{moe}experts.{e}.w1.weight"], state[f"{moe}experts.{e}.w3.weight"] = w1[e], w3[e]
+        elif leaf == "experts.down_proj":
+            state.update({f"{moe}experts.{e}.w2.weight": w2 for e, w2 in enumerate(tensor)})
+        else:
+            state[moe + leaf] = tensor
+    return state
+
+
+MIXTRAL = Layout(
+    model_type="mixtral", architecture="MixtralForCausalLM", base_prefix="model.",
+    modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
+    layer=(*_ROTARY_ATTENTION,
+           ("block_sparse_moe.gate", "ff.router", LINEAR),
+           ("block_sparse_moe.experts.{e}.w1", "ff.W_1", EXPERTS),
+           ("block_sparse_moe.experts.{e}.w3", "ff.W_3", EXPERTS),
+           ("block_sparse_moe.experts.{e}.w2", "ff.W_2", EXPERTS)),
+    ignored_suffixes=(".rotary_emb.inv_freq",),
+    config_to_hf=_mixtral_config_to_hf, config_from_hf=_mixtral_config_from_hf,
+    buffers=_zero_router_biases, renamed=_per_expert)
+
+LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
 HEAD = "lm_head"
 
@@ -214,7 +322,10 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
 
 
 def layout_for(config: GPTConfig) -> Layout:
-    """The layout a GPT with this config exports to: GPT-2 for learned positions, Llama for rotary."""
+    """The layout a GPT with this config exports to: Mixtral with experts, else GPT-2 for learned
+    positions, Llama for rotary."""
+    if config.n_experts:
+        return MIXTRAL
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:
         raise ValueError(f"pos_encoding={config.pos_encoding!r} has no Hugging Face layout: GPT-2 learns "
                          "positions (pos_encoding='learned'), Llama rotates them (pos_encoding='rope')")
@@ -225,11 +336,13 @@ def layout_for(config: GPTConfig) -> Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """One Hugging Face tensor = our tensors concatenated on axis 0, transposed when `transpose`."""
+    """One Hugging Face tensor = our tensors concatenated on axis 0, transposed when `transpose`; or,
+    with an `expert` index, that expert's (out, in) of our one stacked (E, out, in) tensor."""
 
     hf: str
     ours: tuple[str, ...]
     transpose: bool = False
+    expert: int | None = None
 
 
 def weight_map(config: GPTConfig, layout: Layout | None = None) -> list[Weight]:
@@ -248,6 +361,9 @@ def weight_map(config: GPTConfig, layout: Layout | None = None) -> list[Weight]:
     for hf, ours, kind in entries:
         ours = (ours,) if isinstance(ours, str) else ours
         tensors: tuple[str, ...]
+        if kind == EXPERTS:  # our stacked experts are parameters themselves, without a ".weight"
+            weights += [Weight(f"{hf.format(e=e)}.weight", ours, expert=e) for e in range(config.n_experts)]
+            continue
         if kind == LINEAR and hf == HEAD:
             tensors = ("weight",)  # the output projection never has a bias
         elif kind == EMBEDDING or (kind == NORM and config.norm == "rmsnorm"):
@@ -265,13 +381,15 @@ def _prefixed(prefix: str, ours: str | tuple[str, ...]) -> str | tuple[str, ...]
 
 def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
                   layout: Layout | None = None) -> dict[str, Tensor]:
-    """A Hugging Face state dict (or any dict keyed by its names, e.g. of gradients) in our names.
+    """A Hugging Face state dict (or any dict keyed by its names, e.g. of gradients) in our names,
+    with the buffers the layout has no tensor for (`Layout.buffers`).
 
     Every key must be mapped, be a buffer the layout ignores (by suffix), or be the tied head.
     """
     layout = layout or layout_for(config)
     if not any(k.startswith(layout.base_prefix) for k in hf_state):  # a base model without its LM head
         hf_state = {layout.base_prefix + k: v for k, v in hf_state.items()}
+    hf_state = layout.renamed(hf_state)
     weights = weight_map(config, layout)
     known = {w.hf for w in weights}
     unknown = sorted(k for k in hf_state if k not in known and not k.endswith(layout.ignored_suffixes)
@@ -282,20 +400,35 @@ def state_from_hf(hf_state: Mapping[str, Tensor], config: GPTConfig,
             raise ValueError(f"{problem} weights for a {config.n_layers}-layer {layout.architecture}: "
                              f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
     state: dict[str, Tensor] = {}
+    experts: dict[str, list[Tensor]] = {}  # ours -> its experts' tensors, in order (as weight_map lists them)
     for w in weights:
         tensor = hf_state[w.hf].T if w.transpose else hf_state[w.hf]
-        state.update(zip(w.ours, tensor.chunk(len(w.ours)), strict=True))
+        if w.expert is None:
+            state.update(zip(w.ours, tensor.chunk(len(w.ours)), strict=True))
+        else:
+            experts.setdefault(w.ours[0], []).append(tensor)
+    state.update({name: torch.stack(tensors) for name, tensors in experts.items()})  # (E, out, in)
     if config.tie_weights:
         state[f"{HEAD}.weight"] = state["token_embedding.weight"]
-    return state
+    return {**state, **layout.buffers(config)}
 
 
 def state_to_hf(state: Mapping[str, Tensor], config: GPTConfig,
                 layout: Layout | None = None) -> dict[str, Tensor]:
-    """Our state dict in the Hugging Face layout's names (contiguous CPU tensors, each stored once)."""
+    """Our state dict in the Hugging Face layout's names (contiguous CPU tensors, each stored once).
+    A buffer the layout has no tensor for must hold the value the layout implies (`Layout.buffers`)."""
+    layout = layout or layout_for(config)
+    for name, implied in layout.buffers(config).items():
+        if not torch.equal(state[name].detach().cpu().to(implied.dtype), implied):
+            value = "zero" if not implied.any() else f"{implied.tolist()!r:.80}"
+            raise ValueError(f"{name} must be {value} for the {layout.architecture} layout, which has no "
+                             "tensor for it: the model would not compute the same function there")
     tensors = {}
     for w in weight_map(config, layout):
-        tensor = torch.cat([state[o].detach() for o in w.ours])  # (Σ out, in) or (Σ out,)
+        if w.expert is None:
+            tensor = torch.cat([state[o].detach() for o in w.ours])  # (Σ out, in) or (Σ out,)
+        else:
+            tensor = state[w.ours[0]].detach()[w.expert]  # (out, in) of (E, out, in)
         tensors[w.hf] = (tensor.T if w.transpose else tensor).cpu().contiguous()
     return tensors
 
@@ -312,7 +445,7 @@ def gpt_config_to_hf(config: GPTConfig, tokenizer: Tokenizer | None = None, *,
 
 
 def gpt_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
-    """A GPTConfig from a GPT-2 or Llama config.json."""
+    """A GPTConfig from a GPT-2, Llama or Mixtral config.json."""
     model_type = hf.get("model_type")
     if model_type is None:
         raise ValueError("config.json has no model_type: not a Hugging Face model directory (a plainformer "
@@ -365,7 +498,7 @@ def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
         config = config.replace(vocab_size=tokenizer.vocab_size)  # why: padding rows no id reaches
         state = {k: v[:tokenizer.vocab_size] if k in ("token_embedding.weight", f"{HEAD}.weight") else v
                  for k, v in state.items()}
-    if config.pos_encoding == "learned" and not config.bias:
+    if layout_for(config) is GPT2 and not config.bias:
         config, state = _with_zero_biases(config, state)
     hf_config = gpt_config_to_hf(config, tokenizer, dtype=model.token_embedding.weight.dtype)
     tensors = state_to_hf(state, config)
@@ -394,8 +527,9 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 
 
 def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | BertModel:
-    """The model of a Hugging Face GPT-2, Llama or BERT directory, in eval mode, with its tokenizer (if
-    the directory has one) as `.tokenizer`."""
+    """The model of a Hugging Face GPT-2, Llama, Mixtral or BERT directory, in eval mode, with its
+    tokenizer (if the directory has one: tokenizer.json, GPT-2's vocab.json + merges.txt, BERT's
+    vocab.txt) as `.tokenizer`."""
     directory = Path(directory)
     hf = read_hf_config(directory)
     model: GPT | BertModel
@@ -429,7 +563,7 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
 
 
 def _read_tokenizer(directory: Path, model_type: str | None) -> Tokenizer | None:
-    if (directory / TOKENIZER_FILE).is_file():
+    if (directory / TOKENIZER_FILE).is_file() or has_gpt2_files(directory):
         return load_hf_tokenizer(directory)
     if model_type == "bert" and (directory / "vocab.txt").is_file():
         return load_hf_bert_tokenizer(directory)

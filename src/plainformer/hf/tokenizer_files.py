@@ -1,5 +1,6 @@
 """Hugging Face tokenizer files: any plainformer tokenizer as tokenizer.json + tokenizer_config.json that
-`transformers.AutoTokenizer` loads, and the tokenizer of a Hugging Face directory as ours."""
+`transformers.AutoTokenizer` loads, and the tokenizer of a Hugging Face directory (its tokenizer.json, or
+GPT-2's original vocab.json + merges.txt) as ours."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from ..data.tokenizers import (
 from ..files.atomic import atomic_path
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+# GPT-2's original tokenizer files (its "slow" tokenizer), which older directories hold instead of a
+# tokenizer.json, and the special tokens transformers' GPT2Tokenizer gives them unless the config says.
+GPT2_VOCAB, GPT2_MERGES = "vocab.json", "merges.txt"
+_GPT2_SPECIAL_TOKENS = {"unk": "<|endoftext|>", "bos": "<|endoftext|>", "eos": "<|endoftext|>"}
 _CHAR_UNKNOWN = "<unk>"  # absent from the vocabulary on purpose: an unknown character is an error there too
 
 
@@ -82,14 +87,48 @@ def _hf_special_tokens(directory: Path) -> dict[str, str]:
     return special
 
 
+def has_gpt2_files(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds GPT-2's vocab.json and merges.txt."""
+    return all((Path(directory) / name).is_file() for name in (GPT2_VOCAB, GPT2_MERGES))
+
+
+def _gpt2_from_files(directory: Path) -> BPETokenizer:
+    """vocab.json + merges.txt as the pipeline transformers' GPT2Tokenizer builds from them: byte-level
+    BPE behind GPT-2's pre-tokenizer regex, byte-level decoding, the special tokens (tokenizer_config.json's,
+    else <|endoftext|> as unk, bos and eos) matched whole in the text and appended to the vocabulary where
+    vocab.json lacks them, and tokenizer_config.json's add_prefix_space, add_bos_token and add_eos_token
+    (each false unless it says)."""
+    path = directory / HF_TOKENIZER_CONFIG
+    config = read_tokenizer_json(path) if path.is_file() else {}
+    try:
+        model = hf.models.BPE.from_file(str(directory / GPT2_VOCAB), str(directory / GPT2_MERGES))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{directory}: {GPT2_VOCAB} and {GPT2_MERGES} are not a valid BPE vocabulary "
+                         f"and merge list ({err})") from None
+    tok = hf.Tokenizer(model)
+    tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)))
+    tok.decoder = hf.decoders.ByteLevel()
+    special = {**_GPT2_SPECIAL_TOKENS, **_hf_special_tokens(directory)}
+    tok.add_special_tokens([hf.AddedToken(token, special=True) for token in dict.fromkeys(special.values())])
+    bos = [special["bos"]] if config.get("add_bos_token") else []
+    eos = [special["eos"]] if config.get("add_eos_token") else []
+    if bos or eos:  # <bos> text <eos>, as GPT2Tokenizer frames it
+        tok.post_processor = hf.processors.TemplateProcessing(
+            single=" ".join([*bos, "$A", *eos]), special_tokens=[(t, tok.token_to_id(t)) for t in {*bos, *eos}])
+    return BPETokenizer(tok, special)
+
+
 def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a Hugging Face directory as ours: plainformer's own when its side file is there,
     else the tokenizer.json's model — byte-level BPE (any BPE) as `BPETokenizer`, WordPiece as
     `WordPieceTokenizer`, a one-character-per-token WordLevel as `CharTokenizer` — with the special
-    tokens tokenizer_config.json names."""
+    tokens tokenizer_config.json names; without a tokenizer.json, GPT-2's vocab.json + merges.txt as
+    `BPETokenizer`."""
     directory = Path(directory)
     if (directory / SIDE_FILE).is_file():
         return load_tokenizer(directory)
+    if not (directory / TOKENIZER_FILE).is_file() and has_gpt2_files(directory):
+        return _gpt2_from_files(directory)
     path = directory / TOKENIZER_FILE
     model = read_tokenizer_json(path).get("model") or {}
     kind = model.get("type")
