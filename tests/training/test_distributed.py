@@ -193,6 +193,15 @@ def test_fsdp2_matches_ddp(runs, fsdp, ddp):
         torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=TOL, msg=name)
 
 
+def test_an_fsdp_checkpoint_stores_a_tied_head_once_as_ddp_does(runs):
+    # FSDP gathers a copy per name of the shared parameter; the checkpoint must tie them again.
+    stored = {run: load_file(runs / run / "last" / "model.safetensors").keys() for run in ("ddp", "fsdp")}
+    assert stored["fsdp"] == stored["ddp"]
+    assert "token_embedding.weight" in stored["fsdp"] and "lm_head.weight" not in stored["fsdp"]
+    state = load_checkpoint(runs / "fsdp" / "last").state_dict
+    assert state["lm_head.weight"] is state["token_embedding.weight"]
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_resume_at_world_size_two_is_exact(runs, parallel):
     _assert_same_run(runs / f"{parallel}_split", runs / parallel)

@@ -274,7 +274,7 @@ class Distributed:
             return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return cast(dict[str, Tensor], state)
+        return _tied(self.model, cast(dict[str, Tensor], state))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state dict in `torch.optim` layout (state keyed by parameter index in
@@ -329,6 +329,19 @@ class Distributed:
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
+
+
+def _tied(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` with every name of one shared parameter (a tied output projection) holding the first
+    name's tensor, as `nn.Module.state_dict` gives them. FSDP's gathered full state dict holds a copy per
+    name, which a checkpoint would store twice; the ties are read from the model's own parameters, which
+    sharding keeps shared."""
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(parameter), name)
+        if owner != name and owner in state and name in state:
+            state[name] = state[owner]
+    return state
 
 
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
