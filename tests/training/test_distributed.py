@@ -305,7 +305,7 @@ def test_one_process_is_the_identity():
 
 def test_torchrun_command_runs_plainformer_on_n_local_processes():
     assert torchrun_command(4, ["train", "--max-steps", "2"]) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        sys.executable, "-m", "plainformer.training.torchrun", "--standalone", "--nproc-per-node=4",
         "-m", "plainformer", "train", "--max-steps", "2"]
     with pytest.raises(ValueError, match="nproc must be a positive int"):
         torchrun_command(0, [])

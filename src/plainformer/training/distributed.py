@@ -348,7 +348,7 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     """The torchrun command that runs `plainformer ARGV` on `nproc` processes of this machine."""
     if not _checks.is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "plainformer.training.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "plainformer", *argv]
 
 
