@@ -164,3 +164,10 @@ def test_the_bundled_corpus_is_its_38_works():
     docs = documents(open_source())
     assert len(docs) == 38
     assert docs[0].startswith("ALL'S WELL THAT ENDS WELL") and docs[-1].endswith("[Exeunt.]")
+
+
+def test_a_lone_surrogate_escape_in_json_lines_is_refused_naming_the_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "fine \\u00e9 and \\ud83d\\ude00"}\n{"text": "abc \\ud800 def"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"c.jsonl line 2: the text holds a lone surrogate \\ud800 at character 4"):
+        list(sources.open_source(path).pieces())

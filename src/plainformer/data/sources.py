@@ -49,6 +49,7 @@ _NON_SPACE = re.compile(r"\S")
 
 
 _GLOB_CHARS = re.compile(r"[*?[]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 Progress = Callable[[int], None]  # told the number of bytes read from disk since its last call
@@ -226,8 +227,17 @@ def _raw_jsonl(file: DataFile, text_field: str, progress: Progress) -> Iterator[
         if not isinstance(text, str):
             raise ValueError(f"{file.path} line {number}: field {text_field!r} must be a string, got "
                              f"{type(text).__name__}")
+        if "\\u" in line:  # only a \u escape can write a lone surrogate, which no UTF-8 text holds
+            _check_no_surrogate(text, f"{file.path} line {number}")
         yield text
         yield None
+
+
+def _check_no_surrogate(text: str, where: str) -> None:
+    surrogate = _SURROGATE.search(text)
+    if surrogate is not None:
+        raise ValueError(f"{where}: the text holds a lone surrogate \\u{ord(surrogate.group()):04x} at character "
+                         f"{surrogate.start()}, which is not a Unicode character; fix or drop that escape")
 
 
 def _raw_bundled(file: DataFile, text_field: str, progress: Progress) -> Iterator[str | None]:
