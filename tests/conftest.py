@@ -8,18 +8,28 @@ import subprocess
 import pytest
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
+def _tmpfs(tmp_path, options: str):
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)],
                                            capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; the monkeypatched variant runs anyway")
     try:
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB file system of its own, where the test runs as root and may mount one."""
+    yield from _tmpfs(tmp_path, "size=256k")
+
+
+@pytest.fixture
+def read_only_tmpfs(tmp_path):
+    """A read-only file system of its own (root ignores a folder's permission bits, not this)."""
+    yield from _tmpfs(tmp_path, "ro,size=64k")
 
 
 def pytest_configure(config):

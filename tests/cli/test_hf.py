@@ -120,6 +120,22 @@ def test_attention_of_one_layer_and_head_and_from_a_hugging_face_directory(run, 
     assert Image.open(tmp_path / "one.png").size == figure_size(1, 1, len(TEXT), len(TEXT))
 
 
+def test_export_on_a_full_disk_says_so_in_one_line_and_leaves_no_directory(run, capsys, small_tmpfs):
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", small_tmpfs / "hf")
+    assert code == 2 and stdout == ""
+    assert stderr.splitlines() == [f"plainformer: error: the disk is full: could not write the file "
+                                   f"{small_tmpfs / 'hf' / 'model.safetensors'}; free space on the file system "
+                                   f"of {small_tmpfs / 'hf'} and retry"]
+    assert list(small_tmpfs.iterdir()) == []
+
+
+def test_attention_into_a_read_only_folder_names_the_file_not_a_temporary(run, capsys, read_only_tmpfs):
+    for flag, name in (("--out", "attn.png"), ("--html", "attn.html")):
+        code, _, stderr = run_cli(capsys, "attention", "--ckpt", run, "--text", TEXT, flag, read_only_tmpfs / name)
+        assert code == 2
+        assert stderr == f"plainformer: error: cannot write {read_only_tmpfs / name}: Read-only file system\n"
+
+
 def test_attention_html_writes_the_explorer_of_the_run_and_of_its_hugging_face_export(run, capsys, tmp_path):
     model = pf.GPT.from_checkpoint(run / "best")
     ids = torch.tensor(model.tokenizer.encode(TEXT))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plainformer.files.atomic import atomic_path
+from plainformer.files.atomic import DiskFullError, WriteError, atomic_path
 
 
 def test_a_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -34,6 +34,26 @@ def test_a_directory_in_the_way_of_a_file_is_named_in_the_error(tmp_path):
         with atomic_path(tmp_path / "out") as tmp:
             tmp.write_text("png")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_error_on_the_temporary_names_the_path_it_becomes(tmp_path):
+    path = tmp_path / "attn.png"
+    with pytest.raises(WriteError) as raised, atomic_path(path) as tmp:
+        raise PermissionError(13, "Permission denied", str(tmp))  # what a read-only folder gives
+    assert str(raised.value) == f"cannot write {path}: Permission denied"
+
+
+def test_a_read_only_file_system_is_named_by_the_path(read_only_tmpfs):
+    path = read_only_tmpfs / "attn.png"
+    with pytest.raises(WriteError, match=f"^cannot write {path}: Read-only file system$"), atomic_path(path) as tmp:
+        tmp.write_text("png")
+
+
+def test_a_full_disk_is_named_by_the_path(small_tmpfs):
+    path = small_tmpfs / "big.bin"
+    with pytest.raises(DiskFullError, match=f"could not write the file {path}; free space"), atomic_path(path) as tmp:
+        tmp.write_bytes(bytes(1 << 20))
+    assert list(small_tmpfs.iterdir()) == []
 
 
 def test_a_directory_can_be_written_in_one_rename(tmp_path):

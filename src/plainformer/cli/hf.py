@@ -12,6 +12,7 @@ adapter on its base) or a Hugging Face directory. export writes a LoRA run's mod
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,13 @@ def run_export(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = model.tokenizer
     if family.export is None:
         raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")
-    family.export(model, args.out, tokenizer)
+    created = not args.out.exists()
+    try:
+        family.export(model, args.out, tokenizer)
+    except BaseException:
+        if created:  # nothing half-written is left where there was nothing
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
     hf = read_hf_config(args.out)
     return {"out": str(args.out), "model_type": hf["model_type"], "architecture": hf["architectures"][0],
             "tokenizer": None if tokenizer is None else tokenizer.kind}

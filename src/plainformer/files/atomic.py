@@ -37,6 +37,16 @@ class DiskFullError(OSError):
         return self.strerror or ""
 
 
+class WriteError(OSError):
+    """Writing `path` failed for another reason than a full disk (a read-only or missing folder)."""
+
+    def __init__(self, error: OSError, path: str | os.PathLike):
+        super().__init__(error.errno, f"cannot write {path}: {error.strerror}")
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+
 def is_disk_full(error: BaseException) -> bool:
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -49,9 +59,9 @@ def reporting_full_disk(path: str | os.PathLike, what: str) -> Iterator[None]:
     try:
         yield
     except (OSError, SafetensorError) as error:
-        if isinstance(error, DiskFullError) or not is_disk_full(error):
+        if not is_disk_full(error):
             raise
-        raise DiskFullError(path, what) from None
+        raise DiskFullError(path, what) from None  # also over an inner one: this block knows the whole
 
 
 def temporary_name(path: Path) -> Path:
@@ -77,9 +87,23 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if tmp.is_file() and path.is_dir():  # else os.replace names the temporary file, not `path`
             raise IsADirectoryError(errno.EISDIR, "a directory is in the way of the file to write", str(path))
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as error:
+        raise _about(error, tmp, path) from None
     finally:
         if tmp.exists():
             _remove(tmp)
+
+
+def _about(error: OSError | SafetensorError, tmp: Path, path: Path) -> Exception:
+    """`error` as the user should read it: about `path`, not the temporary written in its place (a
+    read-only folder, a full disk)."""
+    if isinstance(error, DiskFullError):
+        return error
+    if is_disk_full(error):
+        return DiskFullError(path, "the file")
+    if isinstance(error, OSError) and error.filename is not None and Path(error.filename) == tmp:
+        return WriteError(error, path)
+    return error
 
 
 @contextlib.contextmanager
