@@ -63,6 +63,23 @@ def test_peft_loads_our_adapter_of_a_llama_with_equal_logits(tmp_path):
         assert (ours(idx)[0] - theirs(input_ids=idx).logits).abs().max() <= TOLERANCE
 
 
+def test_peft_loads_our_adapter_of_a_mixtral_with_equal_logits(tmp_path):
+    torch.manual_seed(0)
+    config = pf.GPTConfig(vocab_size=31, block_size=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, d_ff=24,
+                          pos_encoding="rope", norm="rmsnorm", activation="swiglu", n_experts=4, top_k=2,
+                          tie_weights=False, z_loss_coef=0.0)
+    pf.save_hf(pf.GPT(config), tmp_path / "mixtral")
+    ours = pf.add_lora(pf.load_hf(tmp_path / "mixtral"), r=4, alpha=8.0, targets=("W_q", "W_v")).eval()
+    _randomize_b(ours)
+    save_lora(ours, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["target_modules"] == ["q_proj", "v_proj"]
+    base = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "mixtral").eval()
+    theirs = _peft().PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    idx = _tokens()
+    with torch.no_grad():
+        assert (ours(idx)[0] - theirs(input_ids=idx).logits).abs().max() <= TOLERANCE
+
+
 def test_we_load_an_adapter_peft_saved_with_equal_logits(tmp_path):
     directory = _llama_directory(tmp_path)
     config = _peft().LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
