@@ -25,7 +25,10 @@ the weights (caches, logits, our decoder's transposed fp32 output weight; `atten
 untimed.
 
 Bound: decoding one token reads every weight once, so tokens/s <= memory bandwidth / weight bytes; the
-script measures the bandwidth (copying a 512 MB buffer) and prints that bound for fp32 and bf16.
+script measures the bandwidth (copying a 512 MB buffer) and prints that bound for fp32 and bf16. What
+torch's kernels allow is printed beside it: the read-only bandwidth (summing the buffer) and the
+matrix-vector ceiling, one pass of F.linear over every weight matrix in the decoder's layout and nothing
+else (`matvec_seconds`).
 Output: a table, then one JSON line with every figure.
 """
 
@@ -90,9 +93,9 @@ def memory_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
     return 2 * source.numel() * 4 / best
 
 
-def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tensor]], int]:
+def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tensor]], pf.GPT]:
     """(name -> function(n) decoding n new tokens greedily from `prompt`, returning them (1, n);
-    the number of parameters)."""
+    our fp32 model)."""
     ours, theirs = gpt2_pair(**GPT2)
     ours.eval(), theirs.eval()
     theirs.generation_config.eos_token_id = None  # never stop early: exactly n tokens
@@ -124,7 +127,37 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
             "ours bf16 (KV cache)": ours_call(ours_bf16), "HF bf16": hf_call(theirs_bf16),
             "ours (no cache)": ours_call(ours, use_cache=False), "ours int8 (KV cache)": ours_call(ours_int8),
             "ours batch 8 mixed": batch_call,
-            "ours 8 single runs": singles_call}, ours.num_parameters()
+            "ours 8 single runs": singles_call}, ours
+
+
+def read_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
+    """Best bytes/s of reading a buffer too large for the caches (a sum: no write)."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    return source.numel() * 4 / min(_seconds(source.sum) for _ in range(rounds))
+
+
+def matvec_seconds(model: pf.GPT, rounds: int = 5) -> float:
+    """Best seconds of one pass of torch's matrix-vector products over every weight matrix of `model`
+    in its decoder's layout (nn.Linear's (out, in); the tied output weight as Eᵀ, `GPTDecoder`'s copy),
+    with nothing else: the fastest a batch-1 fp32 step could be on these kernels."""
+    head_t = model.lm_head.weight.detach().t().contiguous()
+    weights = [m.weight.detach() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    row = torch.randn(1, head_t.shape[0])
+
+    def one_pass() -> None:
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        row @ head_t
+
+    one_pass()
+    return min(_seconds(one_pass) for _ in range(rounds))
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def agreeing_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
@@ -139,11 +172,16 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     bandwidth = memory_bandwidth()
     prompt = torch.randint(GPT2["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    calls, n_parameters = decoders(prompt)
-    weight_bytes = {"fp32": n_parameters * 4, "bf16": n_parameters * 2}
+    calls, model = decoders(prompt)
+    weight_bytes = {"fp32": model.num_parameters() * 4, "bf16": model.num_parameters() * 2}
+    bound = bandwidth / weight_bytes["fp32"]
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
           f"threads; measured memory bandwidth {bandwidth / 1e9:.1f} GB/s -> bound "
-          f"{bandwidth / weight_bytes['fp32']:.0f} tok/s fp32, {bandwidth / weight_bytes['bf16']:.0f} tok/s bf16")
+          f"{bound:.0f} tok/s fp32, {bandwidth / weight_bytes['bf16']:.0f} tok/s bf16")
+    reading, ceiling = read_bandwidth(), 1 / matvec_seconds(model)
+    print(f"read-only bandwidth {reading / 1e9:.1f} GB/s ({reading / bandwidth:.0%} of the copy's); torch's "
+          f"matrix-vector kernels over every weight once: {ceiling:.1f} tok/s ({ceiling / bound:.0%} of the "
+          "fp32 bound), the fastest a batch-1 fp32 step can be on them")
     for call in calls.values():
         call(4)
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -173,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{peak_mib[ours]:>9.0f}/{peak_mib[peer]:<9.0f}  {row['tokens_as_peer']}/{tokens[ours].numel()}")
     print("ratio = ours / peer tokens/s (higher is better)")
     print(json.dumps({"benchmark": "generate", "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-                      "prompt": args.prompt, "memory_bandwidth": bandwidth, "repeats": args.repeats,
+                      "prompt": args.prompt, "memory_bandwidth": bandwidth, "read_bandwidth": reading,
+                      "matvec_ceiling_tokens_per_s": ceiling, "repeats": args.repeats,
                       "rows": rows}))
 
 
