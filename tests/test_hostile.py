@@ -41,6 +41,7 @@ from plainformer.data.tokenizers import CharTokenizer
 from plainformer.files.atomic import DiskFullError
 from plainformer.files.run_lock import RunDirectoryBusy, run_lock
 from plainformer.hf.bert import load_hf_bert_tokenizer, save_hf_bert
+from plainformer.models import memory
 
 TINY_GPT = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--block-size", "8",
             "--batch-size", "2", "--eval-batches", "1", "--eval-interval", "0", "--warmup-steps", "1",
@@ -743,3 +744,177 @@ def test_a_directory_with_a_bad_or_no_config_says_what_is_wrong(verb, config, me
         (model / "config.json").write_text(config)
     argv = {"export": ["--out", tmp_path / "out"], "sample": [], "eval": []}[verb]
     assert_one_error_line(*run_cli(capsys, verb, "--ckpt", model, *argv), message)
+
+
+# ---- round two, B: sizes checked before memory is spent
+
+# Runs every case in one child whose address space is capped at what it holds plus 2 GiB (RLIMIT_AS), so
+# that a size no longer checked fails fast there instead of exhausting the machine: argv through
+# `main`, or ["GPT", {fields}] built through the API. Prints {case: [exit status, stderr]} as JSON.
+SIZES_CHILD = r"""
+import contextlib, io, json, resource, sys
+import plainformer as pf
+from plainformer.cli import main
+from plainformer.models.memory import _meminfo
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+cap = _meminfo("/proc/self/status", "VmSize") + 2 * 2**30
+resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+results = {}
+for name, case in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        if isinstance(case[0], str):
+            code = main(case)
+        else:
+            try:
+                getattr(pf, case[0][0])(getattr(pf, case[0][0] + "Config")(**case[0][1]))
+                code = 0
+            except Exception as error:
+                code, _ = 2, err.write(f"{type(error).__name__}: {error}")
+    results[name] = [code, err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def _hf_config(directory: Path, values: dict) -> Path:
+    """A Hugging Face directory holding only config.json: the model is refused before weights are read."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(values))
+    return directory
+
+
+def _hf_bert_with(directory: Path, hf_bert_dir: Path, **changes) -> Path:
+    shutil.copytree(hf_bert_dir, directory)
+    _json(directory, "config.json", lambda c: {**c, **changes}, rewrite=False)
+    return directory
+
+
+SIZE_CASES = (
+    "--config with n_layers: 10000 (a 2B-parameter model)",
+    "a checkpoint whose config.json says n_layers: 100000 (sample)",
+    "a checkpoint whose config.json says n_layers: 100000 (resume)",
+    "a Llama of num_hidden_layers: 100000", "a Hugging Face GPT-2 of n_layer: 100000",
+    "pf.GPT of n_layers=10**6", "--block-size 1e9", "a Llama of max_position_embeddings: 1e9 (a 64 GB rotary table)",
+    "a Hugging Face BERT of max_position_embeddings: 1e9", "--d-model 1e7", "--d-ff 1e9",
+    "--vocab-size 1e9 for a BPE tokenizer", "pf.GPT of vocab_size=10**9", "--batch-size 1e8",
+    "a 20-digit --batch-size (a C++ frame dump after the data and the run directory)", "--eval-batch-size 1e12",
+    "sample --num-samples 1e8", "translate --beam 100000", "eval --beam 100000")
+
+
+def _size_cases(tmp: Path, corpus: Path, trained_run: Path, hf_bert_dir: Path) -> dict:
+    """Each of SIZE_CASES -> (argv or [[model, fields]], the one error line expected)."""
+    (tmp / "deep.yaml").write_text("n_layers: 10000\n")
+    tall = tmp / "tall-run"
+    shutil.copytree(trained_run, tall)
+    for name in ("best", "last"):
+        _json(tall / name, "config.json", lambda c: {**c, "model": {**c["model"], "n_layers": 100_000}})
+    llama = dict(model_type="llama", hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+                 intermediate_size=32, vocab_size=50)
+    gpt2 = dict(model_type="gpt2", n_layer=100_000, n_head=2, n_embd=16, vocab_size=50, n_positions=8)
+    seq2seq = _transformer_run(tmp / "seq2seq")
+
+    def train(name: str, *argv: object) -> list[str]:
+        return ["train", "--data", str(corpus), "--out", str(tmp / "runs" / name), *map(str, argv)]
+
+    training = r"training needs ~\S+ \S+ \(the model, its gradients, Muon's state and the activations of a batch of "
+    unbuilt = r"the model needs ~[\d.]+ \S+ for its parameters and buffers, more than the [\d.]+ [GM]B available"
+    return {
+        "--config with n_layers: 10000 (a 2B-parameter model)": (
+            train("deep", "--config", tmp / "deep.yaml"), rf"^n_layers=10000: {training}16 x 128 tokens\), more "
+                                                          r"than the [\d.]+ [GM]B available \(--max-memory SIZE"),
+        "a checkpoint whose config.json says n_layers: 100000 (sample)": (
+            ["sample", "--ckpt", str(tall)], r"config\.json describes a model of 259,200,400 parameters but "
+                                             r".*model\.safetensors holds 2,992 values"),
+        "a checkpoint whose config.json says n_layers: 100000 (resume)": (
+            ["train", "--resume", "--out", str(tall), "--data", str(corpus)], r"config\.json describes a model of"),
+        "a Llama of num_hidden_layers: 100000": (
+            ["export", "--ckpt", str(_hf_config(tmp / "llama-tall", {**llama, "num_hidden_layers": 100_000})),
+             "--out", str(tmp / "out")], rf"^n_layers=100000: {unbuilt}"),
+        "a Hugging Face GPT-2 of n_layer: 100000": (
+            ["export", "--ckpt", str(_hf_config(tmp / "gpt2-tall", gpt2)), "--out", str(tmp / "out")],
+            rf"^n_layers=100000: {unbuilt}"),
+        "pf.GPT of n_layers=10**6": ([["GPT", {"n_layers": 10**6}]], r"^MemoryBudgetError: n_layers=1000000: the "
+                                                                     r"model needs ~7\.1 TB"),
+        "--block-size 1e9": (train("long", "--block-size", 10**9), rf"^block_size=1000000000: {training}"),
+        "a Llama of max_position_embeddings: 1e9 (a 64 GB rotary table)": (
+            ["export", "--ckpt", str(_hf_config(tmp / "llama-long", {**llama, "max_position_embeddings": 10**9})),
+             "--out", str(tmp / "out")], r"^block_size=1000000000: the model needs ~64\.0 GB"),
+        "a Hugging Face BERT of max_position_embeddings: 1e9": (
+            ["export", "--ckpt", str(_hf_bert_with(tmp / "hf-long", hf_bert_dir, max_position_embeddings=10**9)),
+             "--out", str(tmp / "out")], rf"^max_len=1000000000: {unbuilt}"),
+        "--d-model 1e7": (train("wide", "--d-model", 10**7), rf"^d_model=10000000: {training}"),
+        "--d-ff 1e9": (train("ffn", "--d-ff", 10**9), rf"^d_ff=1000000000: {training}"),
+        "--vocab-size 1e9 for a BPE tokenizer": (
+            train("vocab", "--tokenizer", "bpe", "--vocab-size", 10**9), rf"^vocab_size=1000000000: {training}"),
+        "pf.GPT of vocab_size=10**9": ([["GPT", {"vocab_size": 10**9}]], r"^MemoryBudgetError: vocab_size=1000000000"),
+        "--batch-size 1e8": (train("batch", "--batch-size", 10**8), rf"^batch_size=100000000: {training}100000000 x"),
+        "a 20-digit --batch-size (a C++ frame dump after the data and the run directory)": (
+            train("digits", "--batch-size", "99999999999999999999"), rf"^batch_size=99999999999999999999: {training}"),
+        "--eval-batch-size 1e12": (train("eval", "--eval-batch-size", 10**12),
+                                   rf"^eval_batch_size=1000000000000: {training}"),
+        "sample --num-samples 1e8": (["sample", "--ckpt", str(trained_run), "--num-samples", str(10**8)],
+                                     r"^sampling 100000000 row\(s\) at once .* KV cache of 8 positions"),
+        "translate --beam 100000": (["translate", "--ckpt", str(seq2seq), "--beam", "100000", "hello"],
+                                    r"^--beam 100000 is more than the 11 tokens of the target vocabulary: at most "
+                                    r"--beam 11$"),
+        "eval --beam 100000": (["eval", "--ckpt", str(seq2seq), "--task", "copy", "--beam", "100000"],
+                               r"^--beam 100000 is more than the 11 tokens"),
+    }
+
+
+@pytest.fixture(scope="module")
+def size_refusals(tmp_path_factory, corpus, trained_run, hf_bert_dir) -> tuple[dict, dict, Path]:
+    """(cases, {case: [exit status, stderr]}, the child's cache) of every case run in one capped child."""
+    tmp = tmp_path_factory.mktemp("sizes")
+    cases = _size_cases(tmp, corpus, trained_run, hf_bert_dir)
+    assert list(cases) == list(SIZE_CASES)
+    child = subprocess.run([sys.executable, "-c", SIZES_CHILD, json.dumps({k: v[0] for k, v in cases.items()})],
+                           capture_output=True, text=True, timeout=300,
+                           env={**CHILD_ENV, "PLAINFORMER_CACHE": str(tmp / "cache")})
+    assert child.returncode == 0, child.stderr[-3000:]
+    return cases, json.loads(child.stdout.splitlines()[-1]), tmp
+
+
+@pytest.mark.parametrize("case", SIZE_CASES)
+def test_a_size_too_big_for_the_memory_is_one_line_before_memory_is_spent(case, size_refusals):
+    cases, results, tmp = size_refusals
+    (argv, message), (code, stderr) = cases[case], results[case]
+    if isinstance(argv[0], str):  # "^": where the line's message begins
+        assert_one_error_line(code, stderr, re.sub(r"^\^", "^plainformer: error: ", message))
+    else:
+        assert code == 2 and re.search(message, stderr), stderr
+    assert not (tmp / "runs").exists() and not (tmp / "cache").exists() and not (tmp / "out").exists()
+
+
+def test_max_memory_lets_a_run_that_the_machine_would_refuse_proceed(capsys, tmp_path, corpus, cache, monkeypatch):
+    monkeypatch.setattr(memory, "_machine_available", lambda: 10_000)  # a machine with 10 kB to spare
+    argv = ["train", "--data", corpus, "--out", tmp_path / "run", "--max-steps", "1", *TINY_GPT]
+    assert_one_error_line(*run_cli(capsys, *argv), r"training needs ~[\d.]+ kB .*, more than the 10\.0 kB "
+                                                   r"available \(--max-memory SIZE to allow more\)$")
+    assert not (tmp_path / "run").exists() and not cache.exists()
+    code, stderr = run_cli(capsys, *argv, "--max-memory", "1GB")
+    assert code == 0, stderr
+    assert load_checkpoint(tmp_path / "run" / "last").trainer_state["step"] == 1
+
+
+@pytest.mark.parametrize("value", ["12XB", "0", "-1GB", "lots", "1e9"])
+def test_a_max_memory_that_is_no_size_is_one_line(value, capsys):
+    assert_one_error_line(*run_cli(capsys, "train", f"--max-memory={value}"),
+                          rf"argument --max-memory: expected a size such as 64GB or 512MiB, got '{value}'")
+
+
+def test_a_beam_the_memory_cannot_hold_is_refused_naming_the_largest_that_fits(capsys, tmp_path):
+    torch.manual_seed(0)
+    config = pf.TransformerConfig(src_vocab_size=5000, tgt_vocab_size=5000, n_layers=1, n_heads=2, d_model=8,
+                                  d_ff=16, max_len=16)
+    checkpoint.save_checkpoint(tmp_path / "run" / "best", model=pf.Transformer(config), family="transformer",
+                               model_config=config.to_dict())
+    limit = memory.model_bytes(config) + memory.beam_search_bytes(config, 1, 100, 16)  # 100 hypotheses and more
+    argv = ["translate", "--ckpt", tmp_path / "run", "--max-memory", limit, "hello", "--beam"]
+    line = assert_one_error_line(*run_cli(capsys, *argv, 4000), r"--beam 4000 needs ~[\d.]+ MB to translate 1 "
+                                 r"sentence\(s\) of up to 16 tokens at once, more than the [\d.]+ MB allowed: at most "
+                                 r"--beam \d+ fits$")
+    most = int(re.search(r"at most --beam (\d+)", line)[1])
+    assert 100 <= most < 4000
+    # that many pass the check, and the untrained model's missing tokenizer is what stops them
+    assert_one_error_line(*run_cli(capsys, *argv, most), r"translate needs a tokenizer")

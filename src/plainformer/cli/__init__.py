@@ -30,6 +30,7 @@ from .. import _checks
 from .._version import __version__
 from ..config import Config
 from ..errors import UserError
+from ..models.memory import MemoryBudgetError, memory_limit, parse_size
 from ..training.distributed import is_main_process, log, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
@@ -78,7 +79,7 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"{DTYPE_HELP} (default: %(default)s)")
 
 
-def _checked(kind: type, expected: str, accept: Callable[[Any], bool]) -> Callable[[str], Any]:
+def _checked(kind: Callable[[str], Any], expected: str, accept: Callable[[Any], bool]) -> Callable[[str], Any]:
     """An argparse type: a `kind` parsed from the text, finite (nan and inf parse as floats), and
     accepted by `accept`; otherwise argparse's one-line error naming the option."""
     def parse(text: str) -> Any:
@@ -101,6 +102,16 @@ positive_float = _checked(float, "a finite number > 0", lambda v: v > 0)
 rate = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 fraction = _checked(float, "a number in (0, 1)", lambda v: 0 < v < 1)
 probability = _checked(float, "a probability in (0, 1]", lambda v: 0 < v <= 1)
+memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", lambda v: v >= 1)
+
+
+def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:
+    """--max-memory SIZE: the bytes the command may use, in place of the machine's available memory
+    (models/memory.py), which every size is checked against before memory is spent."""
+    parser.add_argument("--max-memory", type=memory_size, metavar="SIZE", help=(
+        "the memory this command may use, e.g. 64GB or 512MiB, in place of what the machine has available "
+        "(RAM, and RLIMIT_AS when set): a model, a batch or a beam whose estimate exceeds it is refused "
+        "before memory is spent"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "nproc", None) is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return run_torchrun(args.nproc, _without_nproc(argv))
     try:
-        metrics = args.run(args)
+        with memory_limit(getattr(args, "max_memory", None)):
+            metrics = args.run(args)
     except TrainingInterrupted as stop:
         log(f"plainformer: interrupted at step {stop.step}; checkpoint saved to {stop.checkpoint}; "
             "continue with the same command and --resume")
@@ -205,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if not _is_user_error(error):
             raise
-        log(f"plainformer: error: {error}")
+        log(f"plainformer: error: {error}{_memory_hint(args, error)}")
         return 2
     product = getattr(args, "product", False)
     emit_metrics(metrics, sys.stderr if product and not args.json else sys.stdout)
@@ -223,6 +235,13 @@ def _without_nproc(argv: list[str]) -> list[str]:
         elif not arg.startswith("--nproc="):
             kept.append(arg)
     return kept
+
+
+def _memory_hint(args: argparse.Namespace, error: Exception) -> str:
+    """What a memory refusal adds where the command could have been given more."""
+    if isinstance(error, MemoryBudgetError) and hasattr(args, "max_memory") and args.max_memory is None:
+        return " (--max-memory SIZE to allow more)"
+    return ""
 
 
 def _is_user_error(error: Exception) -> bool:

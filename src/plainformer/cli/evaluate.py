@@ -18,6 +18,7 @@ from . import (
     INFERENCE_DTYPES,
     QUANTIZE_HELP,
     UserError,
+    add_max_memory_argument,
     add_threads_argument,
     non_negative_float,
     positive_int,
@@ -41,6 +42,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, help="rows per batch (default: 16 for a GPT, 100 "
                                                        "sentences for an encoder-decoder, the run's for BERT)")
     add_threads_argument(parser)
+    add_max_memory_argument(parser)
     gpt = parser.add_argument_group(f"language models [{', '.join(flag_families('data'))}]")
     gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
                                    "bundled corpus)")

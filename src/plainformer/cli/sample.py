@@ -23,11 +23,13 @@ from ..families.gpt import load_language_model
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.stopping import StopStrings
 from ..models.gpt import GPT
+from ..models.memory import check_memory, decoding_bytes, held_bytes
 from ..nn.lora import unload_lora
 from . import (
     QUANTIZE_HELP,
     UserError,
     add_dtype_argument,
+    add_max_memory_argument,
     add_product_arguments,
     non_negative_float,
     non_negative_int,
@@ -62,6 +64,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=probability, default=None)
     parser.add_argument("--seed", type=seed_int, default=1337, help="of the first sample; sample i uses SEED+i")
     parser.add_argument("--no-cache", action="store_true", help="recompute the context at each step")
+    add_max_memory_argument(parser)
     add_product_arguments(parser)
     parser.set_defaults(run=run_sample)
 
@@ -101,6 +104,7 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_language_model(checkpoint_dir(args.ckpt), args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
+    _check_memory(model, len(encoded) * args.num_samples, max(map(len, encoded)))
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
     start = time.perf_counter()
@@ -113,6 +117,16 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     return {"samples": samples, "new_tokens": new_tokens, "tokens_per_s": new_tokens / max(elapsed, 1e-9),
             "elapsed_s": elapsed, "seed": args.seed}
+
+
+def _check_memory(model: GPT, rows: int, prompt_len: int) -> None:
+    """Refuse a batch of samples whose KV caches would not fit the memory available, before it is drawn."""
+    held = held_bytes(model)
+    block_size = model.config.block_size
+    check_memory(f"sampling {rows} row(s) at once (--num-samples times the prompts) needs ~{{needed}} for the "
+                 f"model and a KV cache of {block_size} positions per layer and row",
+                 lambda: held + decoding_bytes(model.config, rows, prompt_len, model.token_embedding.weight.dtype),
+                 held=held)
 
 
 def _stream(model: GPT, prompt: str, ids: list[int], args: argparse.Namespace, stop: StopStrings | None,

@@ -31,13 +31,23 @@ from .. import families, recipes
 from ..checkpoint.format import load_checkpoint
 from ..config import Config, check_field_type
 from ..data.seq2seq import TASKS
-from ..families.family import FINE_TUNING_OPTIONS, RECIPE_FILE, Family, Run, plain
+from ..families.family import FINE_TUNING_OPTIONS, RECIPE_FILE, Family, Run, check_training_memory, plain
 from ..families.finetuning import base_family
 from ..nn.lora import TARGETS
 from ..training.config import TrainConfig
 from ..training.distributed import current_launch
 from ..training.precision import matmul_rate, resolve_dtype
-from . import UserError, add_config_arguments, field_type, positive_float, positive_int, rate, set_threads, utf8_text
+from . import (
+    UserError,
+    add_config_arguments,
+    add_max_memory_argument,
+    field_type,
+    positive_float,
+    positive_int,
+    rate,
+    set_threads,
+    utf8_text,
+)
 
 #: The trained families' model configs, each once.
 MODEL_CONFIGS: tuple[type[Config], ...] = tuple(dict.fromkeys(f.config for f in families.trained()))
@@ -115,6 +125,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, default_preset: str,
     parser.add_argument("--nproc", type=positive_int, metavar="N", help=(
         "train on N processes of this machine: starts `torchrun --standalone --nproc-per-node N` "
         "(several machines: run torchrun yourself, see the README)"))
+    add_max_memory_argument(parser)
     options = parser.add_argument_group("data and run options (each applies to the families named)")
     for name, flag in OPTIONS.items():
         options.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
@@ -427,6 +438,7 @@ def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Re
 
 def run_train(args: argparse.Namespace, default_preset: str, fine_tuning: bool = False) -> dict[str, Any]:
     run = resolve(args, default_preset, fine_tuning)
+    check_training_memory(run)  # before any data is prepared or the run directory made
     set_threads(run.options.get("threads"))
     assert run.spec.train is not None  # a recipe's family trains
     return run.spec.train(run)

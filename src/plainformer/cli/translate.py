@@ -10,8 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from ..families.family import run_and_checkpoint
+from ..families.transformer import check_beam
 from ..models.transformer import Transformer
-from . import add_product_arguments, add_threads_argument, non_negative_float, positive_int, set_threads, stdin_lines
+from . import (
+    add_max_memory_argument,
+    add_product_arguments,
+    add_threads_argument,
+    non_negative_float,
+    positive_int,
+    set_threads,
+    stdin_lines,
+)
+
+BATCH_SIZE = 64  # sentences translated at once
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -25,6 +36,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--beam", type=positive_int, default=1, help="beam size; 1 = greedy (default: 1)")
     parser.add_argument("--length-penalty", type=non_negative_float, default=0.6, help="α (default: 0.6)")
     add_threads_argument(parser)
+    add_max_memory_argument(parser)
     add_product_arguments(parser)
     parser.set_defaults(run=run_translate)
 
@@ -33,8 +45,10 @@ def run_translate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
     lines = [args.text] if args.text is not None else stdin_lines()
+    check_beam(model, args.beam, lines, BATCH_SIZE)
     start = time.perf_counter()
-    translations = model.translate(lines, beam_size=args.beam, length_penalty=args.length_penalty)
+    translations = model.translate(lines, beam_size=args.beam, length_penalty=args.length_penalty,
+                                   batch_size=BATCH_SIZE)
     elapsed = time.perf_counter() - start
     for translation in translations:
         sys.stdout.write(translation + "\n")

@@ -26,7 +26,7 @@ from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassifica
 from ..training.config import TrainConfig
 from ..training.distributed import log
 from ..training.evaluation import accuracy, mean_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, checkpoint_dir, fit
+from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, checkpoint_dir, fit
 from .finetuning import load_trained, starting_model
 
 
@@ -136,8 +136,9 @@ def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, reci
     saved = load_checkpoint(checkpoint)
     model = BertForMaskedLM.from_loaded(saved)
     batch_size, seed, n_batches = _saved_batching(args, saved)
-    source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, recipe.get("seq_len", 128),
-                         model.config, seed)
+    seq_len = recipe.get("seq_len", 128)
+    check_evaluation_memory(model, batch_size, seq_len)
+    source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, seq_len, model.config, seed)
     return {"val_mlm_loss": mean_loss(model, source, n_batches, batch_size),
             "val_masked_accuracy": accuracy(model, source, n_batches, batch_size), "batches": n_batches}
 
@@ -155,7 +156,9 @@ def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Pat
     batch_size, seed, _ = _saved_batching(args, saved)
     if not isinstance(model.tokenizer, WordPieceTokenizer):
         raise UserError(f"{checkpoint} holds no WordPiece tokenizer to encode the task's lines with")
-    source = ClassificationBatchSource(task, model.tokenizer, recipe.get("seq_len", 64), seed=seed)
+    seq_len = recipe.get("seq_len", 64)
+    check_evaluation_memory(model, batch_size, seq_len)
+    source = ClassificationBatchSource(task, model.tokenizer, seq_len, seed=seed)
     return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
             "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),
             "val_examples": len(task.val)}

@@ -9,10 +9,11 @@ their own. A `Run` is a recipe resolved for one run directory; `fit` trains it.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from torch import nn
@@ -22,7 +23,8 @@ from ..config import Config
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..hf.gpt import is_hf_directory
-from ..models.saved import SavedModel
+from ..models.memory import check_memory, context_length, forward_bytes, held_bytes, training_bytes
+from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
 from ..training.distributed import log
 from ..training.trainer import Trainer
@@ -176,12 +178,67 @@ def run_and_checkpoint(path: Path) -> tuple[Path, Path]:
     return (path if checkpoint != path else path.parent), checkpoint
 
 
+def check_training_memory(run: Run, train: TrainConfig | None = None, model: nn.Module | None = None) -> None:
+    """A MemoryBudgetError when training `run` (with `train`, default the run's) would not fit the memory
+    available (`models.memory.training_bytes`): estimated from the run's model config before the data is
+    prepared, with the vocabulary its tokenizer is to be trained to where the data decides it, or from
+    `model` once it is built (a fine-tuning run's comes from --init, a LoRA's trains only its adapter)."""
+    train = train or run.train
+    trainable, held = None, 0  # every parameter; nothing built yet
+    config: Config
+    if model is not None:
+        held = held_bytes(model)
+        config = cast(Config, model.config)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trainable = None if trained == sum(p.numel() for p in model.parameters()) else trained
+    elif run.model is None:  # fine-tuning: --init's model, checked as it is built, then here by `fit`
+        return
+    elif run.checkpoint is not None:  # resuming: the model of its config.json is built next
+        config = run.model
+        check_stored_parameters(run.checkpoint, config)
+    else:
+        config = _before_the_data(run, run.model)
+    seq_len = run.options.get("seq_len")
+    tokens = f"{train.batch_size} x {seq_len or context_length(config)}"
+
+    def estimate(model_config: Config, train_config: TrainConfig) -> int:
+        return training_bytes(model_config, train_config.batch_size, seq_len=seq_len, optimizer=train_config.optimizer,
+                              family=run.family, trainable=trainable, eval_batch_size=train_config.eval_batch_size)
+
+    optimizer = {"adamw": "AdamW", "muon": "Muon"}.get(train.optimizer, train.optimizer)
+    check_memory(f"training needs ~{{needed}} (the model, its gradients, {optimizer}'s state and the "
+                 f"activations of a batch of {tokens} tokens)", estimate, config, train, held=held)
+
+
+def _before_the_data(run: Run, config: Config) -> Config:
+    """`config` with the vocabulary sizes the data decides as far as they are known before it is read: the
+    size a trained tokenizer is asked for (--vocab-size), else 0, so that the estimate is a lower bound
+    until `fit` checks the model built. A copy left unchecked, as a size of 0 is no valid config."""
+    config = copy.copy(config)
+    trained = run.options.get("tokenizer") != "char"  # a char tokenizer's size is the text's characters
+    for name in (field for field in run.spec.data_fields if field.endswith("vocab_size")):
+        given = run.options.get("vocab_size") if trained and name == "vocab_size" else None
+        setattr(config, name, given or 0)
+    return config
+
+
+def check_evaluation_memory(model: SavedModel, rows: int, seq_len: int | None = None) -> None:
+    """A MemoryBudgetError when a forward pass over `rows` rows (--batch-size) of `seq_len` tokens (default:
+    the model's context) would not fit the memory available beside `model`, loaded already."""
+    held = held_bytes(model)
+    dtype = next(model.parameters()).dtype
+    check_memory(f"evaluating {rows} rows at once (--batch-size) needs ~{{needed}} for the model and a forward pass",
+                 lambda: held + forward_bytes(model.config, rows, seq_len, model.family, dtype), held=held)
+
+
 def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None,
         adapter: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Train `model` as `run` says, once the data and the model are ready: the recipe is written
-    to OUT/recipe.yaml first, so that a run that stops early can still be repeated, and only once the
-    run directory is locked, so that a run refused by the lock leaves the owner's recipe alone.
-    `adapter`: a LoRA run's record (`Trainer`). The metrics gain the model's parameters, all and trainable."""
+    """Train `model` as `run` says, once the data and the model are ready: the memory it needs is checked
+    first (`check_training_memory`), then the recipe is written to OUT/recipe.yaml, so that a run that
+    stops early can still be repeated, and only once the run directory is locked, so that a run refused
+    by the lock leaves the owner's recipe alone. `adapter`: a LoRA run's record (`Trainer`). The metrics
+    gain the model's parameters, all and trainable."""
+    check_training_memory(run, train, model)
     trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer,
                       resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
                       adapter=adapter)

@@ -1,7 +1,7 @@
 """The GPT language model family: trained on a text corpus through its tokenizer (char or byte-level
-BPE), or fine-tuned from a pretrained GPT (ours, or Hugging Face's GPT-2 or Llama) on your text, whole
-or through LoRA; evaluated by its next-token loss over a whole validation split, exported in the GPT-2
-or Llama layout of Hugging Face."""
+BPE), or fine-tuned from a pretrained GPT (ours, or Hugging Face's GPT-2, Llama or Mixtral) on your
+text, whole or through LoRA; evaluated by its next-token loss over a whole validation split, exported
+in the GPT-2, Llama or Mixtral layout of Hugging Face."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..nn.lora import unload_lora
 from ..nn.quantize import quantize
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, fit, refuse_non_model
+from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, fit, refuse_non_model
 from .finetuning import load_trained, starting_model
 
 DEFAULT_BPE_VOCAB = 2048
@@ -101,8 +101,8 @@ def _fit(run: Run, model: GPT, source: LMBatchSource, tokenizer: Tokenizer,
 
 
 def from_base(directory: Path, changes: Mapping[str, Any]) -> GPT:
-    """The GPT of `directory` (a checkpoint, a LoRA run's merged, or a Hugging Face GPT-2 / Llama) with
-    its tokenizer, its config changed by `changes`."""
+    """The GPT of `directory` (a checkpoint, a LoRA run's merged, or a Hugging Face GPT-2 / Llama /
+    Mixtral) with its tokenizer, its config changed by `changes`."""
     base, tokenizer = load_language_model(directory)
     unload_lora(base)
     config = base.config.replace(**changes)
@@ -116,13 +116,14 @@ def from_base(directory: Path, changes: Mapping[str, Any]) -> GPT:
 
 def load_language_model(path: Path, dtype: str = "float32", quantized: str | None = None
                         ) -> tuple[GPT, Tokenizer]:
-    """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama
-    directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16"), or `quantized`
-    ("int8": a LoRA run's adapter merged first; `nn.quantize`)."""
+    """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama /
+    Mixtral directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16"), or
+    `quantized` ("int8": a LoRA run's adapter merged first; `nn.quantize`)."""
     refuse_non_model(path)
     model = load_hf(path) if is_hf_directory(path) else load_trained(load_checkpoint(path), GPT_FAMILY)
     if not isinstance(model, GPT):
-        raise UserError(f"{path} holds a {type(model).__name__}, not a language model (GPT-2 or Llama layout)")
+        raise UserError(f"{path} holds a {type(model).__name__}, not a language model "
+                        "(GPT-2, Llama or Mixtral layout)")
     if model.tokenizer is None:
         raise UserError(f"{path} holds no tokenizer, so text cannot be encoded")
     if quantized is not None:
@@ -143,7 +144,10 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
     data = prepare_lm_data(args.data or recipe.get("data"), tokenizer=tokenizer,
                            val_path=None if args.data else recipe.get("val_data"),
                            text_field=recipe.get("text_field") or "text")
-    loss, count = validation_loss(model, data.val_tokens, model.config.block_size, args.batch_size or 16)
+    batch_size = args.batch_size or 16
+    windows = (len(data.val_tokens) - 1) // model.config.block_size  # validation_loss's batches hold no more
+    check_evaluation_memory(model, max(1, min(batch_size, windows)))
+    loss, count = validation_loss(model, data.val_tokens, model.config.block_size, batch_size)
     return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": count}
 
 

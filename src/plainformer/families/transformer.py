@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,14 @@ import torch
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
+from ..models.memory import (
+    MemoryBudgetError,
+    available_phrase,
+    beam_search_bytes,
+    format_size,
+    held_bytes,
+    largest_beam,
+)
 from ..models.transformer import Transformer, TransformerConfig
 from ..training.distributed import log
 from ..training.evaluation import score_translations
@@ -53,6 +62,29 @@ def train(run: Run) -> dict[str, Any]:
     return {**metrics, **{f"test_{k}": v for k, v in scores.items()}, "task": task_name, "out": str(run.out)}
 
 
+# ----------------------------------------------------------------------------- decoding
+
+def check_beam(model: Transformer, beam: int, sources: Sequence[str], batch_size: int) -> None:
+    """Refuse a --beam the target vocabulary or the memory cannot hold, before decoding: beyond V
+    hypotheses no two could differ; and `batch_size` sources of the longest length among `sources`
+    at a time, with `beam` hypotheses each, must fit the memory available beside the model
+    (`models.memory.beam_search_bytes`)."""
+    vocab_size = model.config.tgt_vocab_size
+    if beam > vocab_size:
+        raise UserError(f"--beam {beam} is more than the {vocab_size} tokens of the target vocabulary: "
+                        f"at most --beam {vocab_size}")
+    tokenizer = model.tokenizer  # without one, translate refuses: then the longest source max_len allows
+    lengths = [len(tokenizer.encode(text)) for text in sources] if tokenizer is not None else [model.config.max_len]
+    sentences, source_len = max(1, min(batch_size, len(sources))), max(1, *lengths)
+    held = held_bytes(model)
+    fits = largest_beam(model.config, sentences, source_len, held)
+    if beam > fits:
+        needed = held + beam_search_bytes(model.config, sentences, beam, source_len)
+        most = f"at most --beam {fits} fits" if fits else "not even --beam 1 fits"
+        raise MemoryBudgetError(f"--beam {beam} needs ~{format_size(needed)} to translate {sentences} sentence(s) "
+                                f"of up to {source_len} tokens at once, more than {available_phrase(held)}: {most}")
+
+
 # ----------------------------------------------------------------------------- eval
 
 def _run_task(run_dir: Path, recipe: dict[str, Any]) -> str:
@@ -82,8 +114,10 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
     task = make_task(task_name)
     beam = args.beam or 1
     split = args.split or "test"
+    batch_size = args.batch_size or 100
+    check_beam(model, beam, task.sources(split), batch_size)
     scores = score_translations(model, task.sources(split), task.targets(split), beam_size=beam,
-                                length_penalty=args.length_penalty, batch_size=args.batch_size or 100,
+                                length_penalty=args.length_penalty, batch_size=batch_size,
                                 tokenize=task.bleu_tokenize)
     log(f"{task_name} {split} split, beam {beam}: BLEU {scores['bleu']:.2f}, "
         f"exact match {scores['exact_match']:.2%}")

@@ -32,6 +32,7 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
+from .memory import check_model_memory
 from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
@@ -126,8 +127,10 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
-def _check_config(config: object) -> BertConfig:
+def _check_config(config: object, family: str) -> BertConfig:
+    """A BertConfig whose model of `family` fits the memory available, checked before it is built."""
     _checks.check_type("config", config, BertConfig)
+    check_model_memory(config, family)
     return cast(BertConfig, config)
 
 
@@ -152,7 +155,7 @@ class BertModel(SavedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.config = _check_config(config)
+        self.config = _check_config(config, self.family)
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(bert_layer(config) for _ in range(config.n_layers))
         self.pooler = BertPooler(config.d_model)
@@ -225,7 +228,7 @@ class BertForMaskedLM(SavedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.config = _check_config(config)
+        self.config = _check_config(config, self.family)
         self.bert = BertModel(config)
         self.head = BertMLMHead(config)
         self.head.apply(lambda module: init_bert_weights(module, config.init_std))
@@ -258,7 +261,7 @@ class BertForSequenceClassification(SavedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.config = _check_config(config)
+        self.config = _check_config(config, self.family)
         self.bert = BertModel(config)
         self.dropout = nn.Dropout(config.dropout)
         self.classifier = nn.Linear(config.d_model, config.n_labels)

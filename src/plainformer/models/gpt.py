@@ -44,6 +44,7 @@ from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding, Rotation
+from .memory import check_model_memory
 from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
@@ -192,6 +193,7 @@ class GPT(SavedModel):
     def __init__(self, config: GPTConfig):
         super().__init__()
         _checks.check_type("config", config, GPTConfig)
+        check_model_memory(config, self.family)  # before anything is allocated
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)

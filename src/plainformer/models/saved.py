@@ -1,5 +1,6 @@
 """What every model family's class shares: `from_checkpoint`, which builds the model from the config a
-checkpoint saved and loads its weights, checked against the family the checkpoint names."""
+checkpoint saved and loads its weights, checked against the family the checkpoint names and, before
+anything is built, against the number of values its weights file holds."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import nn
 
-from ..checkpoint.format import Checkpoint, CheckpointError, load_checkpoint
+from ..checkpoint.format import CONFIG, MODEL, Checkpoint, CheckpointError, load_checkpoint
 from ..config import Config
+from .memory import parameter_count
 
 
 class SavedModel(nn.Module):
@@ -32,8 +34,24 @@ class SavedModel(nn.Module):
         if checkpoint.family != cls.family:
             raise CheckpointError(f"checkpoint {checkpoint.path} holds a {checkpoint.family!r} model, "
                                   f"not a {cls.__name__} ({cls.family!r})")
-        model = cls(checkpoint.config(cls.config_class))  # every family takes its config
+        config = checkpoint.config(cls.config_class)
+        check_stored_parameters(checkpoint, config)
+        model = cls(config)  # every family takes its config
         checkpoint.restore_model(model)
         model.to(map_location)
         model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
         return model.eval()
+
+
+def check_stored_parameters(checkpoint: Checkpoint, config: Config) -> None:
+    """A CheckpointError, before the model is built, when its config.json describes a model of more
+    parameters than model.safetensors holds values (n_layers: 100000 written over a 1-layer run's, say),
+    which could take minutes to build only to be refused. A LoRA checkpoint holds its adapter only: not
+    checked."""
+    if checkpoint.adapter is not None:
+        return
+    needed = parameter_count(config, checkpoint.family)
+    stored = sum(t.numel() for t in {id(t): t for t in checkpoint.state_dict.values()}.values())  # tied once
+    if needed > stored:
+        raise CheckpointError(f"{checkpoint.path / CONFIG} describes a model of {needed:,} parameters but "
+                              f"{checkpoint.path / MODEL} holds {stored:,} values: they do not belong together")

@@ -38,12 +38,11 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
 from ..nn.positional import check_even_d_model
+from .memory import EXTRA_OUTPUT_TOKENS, check_model_memory
 from .saved import SavedModel
 
 if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
     from ..data.tokenizers import Tokenizer
-
-EXTRA_OUTPUT_TOKENS = 50  # section 6.1: "maximum output length ... input length + 50"
 
 
 @dataclasses.dataclass
@@ -137,6 +136,7 @@ class Transformer(SavedModel):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         _checks.check_type("config", config, TransformerConfig)
+        check_model_memory(config, self.family)  # before anything is allocated
         self.config = config
         self.tokenizer = None  # set by from_checkpoint
         self.encoder = Encoder(config.src_vocab_size, n_layers=config.encoder_layers, **_stack_options(config))

@@ -1,0 +1,219 @@
+"""The memory estimates of models/memory.py: exact parameter, tensor and buffer counts against the models
+built, training activations against what autograd keeps, optimizer state against the optimizers', the
+memory available (RLIMIT_AS, --max-memory) and refusals that name the size to blame."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+import plainformer as pf
+from plainformer.models import memory
+from plainformer.training.config import TrainConfig
+from plainformer.training.optim import make_optimizer, muon_parameters
+
+GPT_TINY = dict(vocab_size=53, block_size=24, n_layers=3, n_heads=4, d_model=32, d_ff=64)
+BERT_TINY = dict(vocab_size=99, max_len=16, n_layers=2, n_heads=2, d_model=8, d_ff=16, n_labels=3)
+SEQ2SEQ_TINY = dict(src_vocab_size=40, tgt_vocab_size=40, n_layers=2, d_model=16, n_heads=4, d_ff=32, max_len=12)
+MODELS = {
+    "gpt": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY)),
+    "gpt untied, biases": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY, tie_weights=False, bias=True)),
+    "gpt rope, rmsnorm, swiglu, GQA": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY, pos_encoding="rope", norm="rmsnorm",
+                                                                    activation="swiglu", n_kv_heads=2)),
+    "gpt sinusoidal": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY, pos_encoding="sinusoidal")),
+    "gpt MoE, shared expert, dense first": (pf.GPT, lambda: pf.GPTConfig(
+        **GPT_TINY, n_experts=4, top_k=2, n_shared_experts=1, first_dense_layers=1, moe_every=2)),
+    "gpt preset default": (pf.GPT, lambda: pf.GPTConfig.from_preset("default")),
+    "gpt preset moe": (pf.GPT, lambda: pf.GPTConfig.from_preset("moe")),
+    "bert": (pf.BertModel, lambda: pf.BertConfig(**BERT_TINY)),
+    "bert-mlm": (pf.BertForMaskedLM, lambda: pf.BertConfig(**BERT_TINY)),
+    "bert-cls, swiglu": (pf.BertForSequenceClassification, lambda: pf.BertConfig(**BERT_TINY, activation="swiglu")),
+    "transformer shared": (pf.Transformer, lambda: pf.TransformerConfig(**SEQ2SEQ_TINY)),
+    "transformer untied": (pf.Transformer, lambda: pf.TransformerConfig(**SEQ2SEQ_TINY, tie_weights=False)),
+    "transformer two vocabularies, pre-LN, GQA": (pf.Transformer, lambda: pf.TransformerConfig(
+        **{**SEQ2SEQ_TINY, "tgt_vocab_size": 50}, share_embeddings=False, tie_weights=False, norm_first=True,
+        n_kv_heads=2, n_encoder_layers=3, n_decoder_layers=1)),
+}
+
+
+def _built(case: str) -> tuple[torch.nn.Module, object]:
+    model_cls, config = MODELS[case]
+    torch.manual_seed(0)
+    built = config()
+    return model_cls(built), built
+
+
+@pytest.mark.parametrize("case", list(MODELS))
+def test_the_footprint_counts_what_the_built_model_holds(case):
+    model, config = _built(case)
+    parameters, buffers = list(model.parameters()), list(model.buffers())
+    assert memory.footprint(config, model.family) == memory.Footprint(
+        parameters=sum(p.numel() for p in parameters),
+        block_matrices=sum(p.numel() for p in muon_parameters(model)),
+        tensors=len(parameters) + len(buffers),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers))
+    assert memory.parameter_count(config, model.family) == sum(p.numel() for p in parameters)
+    assert memory.model_bytes(config, family=model.family) == (
+        memory.held_bytes(model) + (len(parameters) + len(buffers)) * memory.TENSOR_OVERHEAD)
+
+
+def test_model_bytes_in_bfloat16_halve_the_parameters_only():
+    config = pf.GPTConfig(**GPT_TINY, pos_encoding="rope")
+    f = memory.footprint(config)
+    assert memory.model_bytes(config) - memory.model_bytes(config, torch.bfloat16) == 2 * f.parameters
+
+
+def _kept_by_autograd(model: torch.nn.Module, *inputs: torch.Tensor, **keywords: torch.Tensor) -> int:
+    """Bytes of the storages autograd saves for backward in one forward, plus the logits and their
+    gradient (what the backward holds besides)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits, _ = model(*inputs, **keywords)
+    return sum(storages.values()) + 2 * logits.numel() * 4
+
+
+ACTIVATION_CASES = {
+    "gpt": dict(),
+    "gpt swiglu, rope": dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
+    "gpt math backend": dict(backend="math"),
+    "gpt dropout": dict(dropout=0.2),
+    "gpt 1024 keys": dict(block_size=1024),
+    "gpt MoE": dict(n_experts=4, top_k=2, d_ff=128),
+    "gpt large vocabulary": dict(vocab_size=5000),
+}
+
+
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES))
+def test_gpt_activations_are_close_to_what_autograd_keeps(case):
+    torch.manual_seed(0)
+    config = pf.GPTConfig(**{**dict(vocab_size=65, block_size=128, n_layers=2, n_heads=4, d_model=64, d_ff=256),
+                             **ACTIVATION_CASES[case]})
+    idx = torch.randint(config.vocab_size, (4, config.block_size))
+    kept = _kept_by_autograd(pf.GPT(config).train(), idx, idx)
+    assert 0.9 <= memory.activation_bytes(config, 4) / kept <= 1.3
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_bert_and_encoder_decoder_activations_are_close_to_what_autograd_keeps(dropout):
+    torch.manual_seed(0)
+    bert = pf.BertConfig(vocab_size=500, max_len=64, n_layers=2, n_heads=2, d_model=64, d_ff=256, dropout=dropout,
+                         attention_dropout=dropout)
+    ids = torch.randint(500, (8, 64))
+    labels = torch.where(torch.rand(8, 64) < memory.MLM_SELECTED, ids, -100)
+    kept = _kept_by_autograd(pf.BertForMaskedLM(bert).train(), ids, labels=labels)
+    assert 0.9 <= memory.activation_bytes(bert, 8, family="bert-mlm") / kept <= 1.3
+    seq2seq = pf.TransformerConfig(src_vocab_size=300, tgt_vocab_size=300, n_layers=2, d_model=64, n_heads=4,
+                                   d_ff=256, max_len=32, dropout=dropout)
+    tokens = torch.randint(3, 300, (8, 32))
+    kept = _kept_by_autograd(pf.Transformer(seq2seq).train(), tokens, tokens, tokens)
+    assert 0.9 <= memory.activation_bytes(seq2seq, 8) / kept <= 1.3
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_optimizer_state_estimated_is_the_optimizers(optimizer):
+    model, config = _built("gpt MoE, shared expert, dense first")
+    train = TrainConfig(optimizer=optimizer, batch_size=1)
+    opt = make_optimizer(model, train)
+    _, loss = model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    loss.backward()
+    opt.step()
+    state = sum(t.numel() for s in opt.state.values() for name, t in s.items() if name != "step")
+    f = memory.footprint(config)
+    moments = memory.training_bytes(config, 1, optimizer=optimizer) - memory.model_bytes(config) - 4 * f.parameters
+    moments -= memory.training_bytes(config, 1, optimizer=optimizer, trainable=0) - memory.model_bytes(config)
+    assert moments == 4 * state
+
+
+def test_a_model_too_big_for_the_memory_is_refused_naming_the_field_before_it_is_built():
+    tiny = dict(vocab_size=50, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32, pos_encoding="rope")
+    limit = 2 * memory.model_bytes(pf.GPTConfig(**tiny))
+    for field, value in (("n_layers", 12), ("vocab_size", 5000), ("d_ff", 2000), ("d_model", 512),
+                         ("block_size", 10**4)):
+        config = pf.GPTConfig(**{**tiny, field: value})
+        message = rf"^{field}={value}: the model needs ~[\d.]+ [kM]B for its parameters and buffers, more than the "
+        with memory.memory_limit(limit), pytest.raises(memory.MemoryBudgetError, match=message + r".* kB allowed$"):
+            pf.GPT(config)
+    with memory.memory_limit(memory.model_bytes(pf.BertConfig(**BERT_TINY), family="bert")):
+        pf.BertModel(pf.BertConfig(**BERT_TINY))  # exactly enough
+        with pytest.raises(ValueError, match=r"^n_labels=3000: the model needs"):
+            pf.BertForSequenceClassification(pf.BertConfig(**{**BERT_TINY, "n_labels": 3000}))
+        with pytest.raises(ValueError, match=r"^the model needs"):  # the MLM head is more; no size is large
+            pf.BertForMaskedLM(pf.BertConfig(**BERT_TINY))
+    with memory.memory_limit(memory.model_bytes(pf.TransformerConfig(**SEQ2SEQ_TINY))):
+        with pytest.raises(ValueError, match=r"^n_encoder_layers=3: the model needs"):
+            pf.Transformer(pf.TransformerConfig(**SEQ2SEQ_TINY, n_encoder_layers=3))
+
+
+def test_nothing_is_refused_on_the_meta_device():
+    with memory.memory_limit(1), torch.device("meta"):
+        assert pf.GPT(pf.GPTConfig(**GPT_TINY)).token_embedding.weight.is_meta
+
+
+def test_a_training_refusal_names_the_batch_size_when_it_is_to_blame():
+    config = pf.GPTConfig(**GPT_TINY)
+
+    def estimate(model_config, train):
+        return memory.training_bytes(model_config, train.batch_size, eval_batch_size=train.eval_batch_size)
+
+    with memory.memory_limit(10**9):
+        assert memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig()) < 10**9
+        for field in ("batch_size", "eval_batch_size"):
+            with pytest.raises(memory.MemoryBudgetError, match=rf"^{field}=100000000: training needs ~.* TB, "
+                                                               r"more than the 1\.0 GB allowed$"):
+                memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig(**{field: 10**8}))
+
+
+def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
+    machine = memory.available_memory()
+    assert machine > 0
+    vm_size = memory._meminfo("/proc/self/status", "VmSize")
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (vm_size + 10**6, resource.RLIM_INFINITY))
+    assert memory.available_memory() <= 10**6 + 4096  # what the limit leaves, give or take a page grown since
+    assert memory.available_memory(held=5) == memory.available_memory() + 5
+    with memory.memory_limit(123):
+        assert memory.available_memory(held=5) == 123  # a limit is the whole budget
+        with memory.memory_limit(None):
+            assert memory.available_memory() == 123
+    assert memory.available_memory() <= 10**6 + 4096
+    with pytest.raises(ValueError, match="limit must be a positive integer, got 0"), memory.memory_limit(0):
+        pass
+
+
+def test_the_largest_beam_is_the_one_that_fits():
+    config = pf.TransformerConfig(**{**SEQ2SEQ_TINY, "tgt_vocab_size": 5000, "src_vocab_size": 5000})
+    with memory.memory_limit(2 * 10**6):
+        beam = memory.largest_beam(config, 4, 10, held=10**5)
+        assert 0 < beam < 5000
+        assert 10**5 + memory.beam_search_bytes(config, 4, beam, 10) <= 2 * 10**6
+        assert 10**5 + memory.beam_search_bytes(config, 4, beam + 1, 10) > 2 * 10**6
+    with memory.memory_limit(10**12):
+        assert memory.largest_beam(config, 4, 10) == 5000  # no more hypotheses than tokens
+    with memory.memory_limit(10):
+        assert memory.largest_beam(config, 4, 10) == 0
+
+
+@pytest.mark.parametrize("text, size", [
+    ("64GB", 64 * 10**9), ("512MiB", 512 * 2**20), ("1.5 TB", 1_500_000_000_000), ("800k", 800_000),
+    ("100", 100), ("2gib", 2 * 2**30), ("3 B", 3), (".5K", 500)])
+def test_a_size_is_parsed_in_decimal_or_binary_units(text, size):
+    assert memory.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GB", "-1GB", "1e9", "1.5XB", "0", "0.4", "nan", "1 GB 2"])
+def test_a_bad_size_is_refused(text):
+    with pytest.raises(ValueError, match="size"):
+        memory.parse_size(text)
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B")])
+def test_a_size_is_written_for_a_reader(nbytes, text):
+    assert memory.format_size(nbytes) == text
