@@ -166,6 +166,14 @@ def test_a_missing_weight_is_named(tmp_path):
         pf.load_hf(directory)
 
 
+def test_a_config_of_far_more_layers_than_the_weights_is_refused_before_building(tmp_path):
+    _, directory = _hf_directory("llama-tied", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+    with pytest.raises(ValueError, match=r"describes a model of [\d,]+ parameters but its weights hold [\d,]+ values"):
+        pf.load_hf(directory)  # at once: 100,000 blocks are never built
+
+
 @pytest.mark.parametrize("change, field", [
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope"),

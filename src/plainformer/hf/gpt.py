@@ -66,6 +66,7 @@ from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..models.bert import BertModel
 from ..models.gpt import GPT, GPTConfig
+from ..models.memory import check_model_memory, parameter_count
 from .bert import (
     HF_CONFIG,
     SAFETENSORS,
@@ -537,8 +538,11 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
         model = load_hf_bert(directory, backend=backend)
     else:
         config = gpt_config_from_hf(hf, backend=backend)
+        check_model_memory(config, "gpt")  # from config.json alone, before the weights are read
+        weights = _read_weights(directory)
+        _check_weights_fit(directory, config, weights)
         model = GPT(config)
-        state = state_from_hf(_read_weights(directory), config)
+        state = state_from_hf(weights, config)
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
@@ -546,6 +550,17 @@ def load_hf(directory: str | os.PathLike, *, backend: str = "auto") -> GPT | Ber
         model.eval()
     model.tokenizer = _read_tokenizer(directory, hf.get("model_type"))
     return model
+
+
+def _check_weights_fit(directory: Path, config: GPTConfig, weights: Mapping[str, Tensor]) -> None:
+    """Refuse, before building anything, a config.json describing far more parameters than the weights
+    hold (num_hidden_layers: 100000 beside a small model's weights); a weight or two missing is named
+    later, by `state_from_hf`."""
+    needed = parameter_count(config, "gpt")
+    stored = sum(t.numel() for t in weights.values())
+    if needed > 2 * stored:
+        raise ValueError(f"{directory / HF_CONFIG} describes a model of {needed:,} parameters but its weights "
+                         f"hold {stored:,} values: they do not belong together")
 
 
 def _read_weights(directory: Path) -> dict[str, Tensor]:
