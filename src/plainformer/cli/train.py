@@ -196,9 +196,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise UserError(f"{path} must hold a mapping of flag names to values, got {type(values).__name__}")
     normalised = [str(key).replace("-", "_") for key in values]
-    twice = sorted({key for key in normalised if normalised.count(key) > 1})
-    if twice:
-        raise UserError(f"{path} gives {twice[0]} twice (as {twice[0]} and {twice[0].replace('_', '-')}?)")
+    twice = _first_repeated(sorted(normalised))
+    if twice is not None:
+        raise UserError(f"{path} gives {twice} twice (as {twice} and {twice.replace('_', '-')}?)")
     values = dict(zip(normalised, values.values(), strict=True))
     known = recipe_keys()
     for key in values:
@@ -210,10 +210,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return {key: _typed(key, value, path) for key, value in values.items() if value is not None}
 
 
+def _first_repeated(keys: list[Any]) -> Any:
+    """The first of `keys` that occurs more than once, or None (by equality: a YAML key may be a list)."""
+    return next((key for key in keys if keys.count(key) > 1), None)
+
+
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are all different (json.loads keeps the last of a repeated key)."""
-    keys = [key for key, _ in pairs]
-    twice = next((key for key in keys if keys.count(key) > 1), None)
+    twice = _first_repeated([key for key, _ in pairs])
     if twice is not None:
         raise ValueError(f"the key {twice!r} is given twice")
     return dict(pairs)
@@ -225,8 +229,7 @@ def _unique_keys_loader() -> type:
 
     class UniqueKeys(yaml.SafeLoader):
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
-            twice = next((key for key in keys if keys.count(key) > 1), None)
+            twice = _first_repeated([self.construct_object(key, deep=deep) for key, _ in node.value])
             if twice is not None:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {twice!r} is given twice",
                                                         node.start_mark)

@@ -65,11 +65,11 @@ def attention_data(model: nn.Module, ids: Tensor | Sequence[int], tgt: Tensor | 
     if not (isinstance(decimals, int) and 1 <= decimals <= PROBABILITY_DECIMALS):
         raise ValueError(f"decimals must be an int in [1, {PROBABILITY_DECIMALS}], got {decimals!r}")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    src = torch.as_tensor(ids)
-    maps, output = recorded_forward(model, src, None if tgt is None else torch.as_tensor(tgt))
+    src, target = torch.as_tensor(ids), None if tgt is None else torch.as_tensor(tgt)
+    maps, output = recorded_forward(model, src, target)
     label = _labeller(tokenizer)
     if isinstance(model, Transformer):
-        target = torch.as_tensor(tgt)
+        assert target is not None  # recorded_forward refuses a Transformer without tgt
         cross = maps["cross"]
         return {"source_tokens": label(src.flatten().tolist()), "target_tokens": label(target.flatten().tolist()),
                 "layers": cross.shape[0], "heads": cross.shape[1], "encoder_layers": maps["encoder"].shape[0],
