@@ -303,7 +303,7 @@ def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
 
 
 def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_leaves_onednn_alone():
-    """A batch-1 bf16 step multiplies by matrix-vector products (see nn.linear and GPTDecoder): the
+    """A batch-1 bf16 step runs on the kernel measured fastest for one row (see nn.linear): the
     logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
     relative to the largest logit), and no process-wide switch (oneDNN's) is touched."""
     model = _gpt().to(torch.bfloat16)

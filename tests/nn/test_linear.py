@@ -1,4 +1,4 @@
-"""Tests for plainformer.nn.linear: x Wᵀ + b as torch.nn.Linear computes it, one bf16 row included."""
+"""Tests for plainformer.nn.linear: x Wᵀ + b as torch.nn.Linear computes it, on every kernel decoding may use."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plainformer.nn.linear import Linear
+from plainformer.nn.linear import FEW_ROWS, KERNELS, Linear, kernel_for, linear
 from tests.reference.torch_reference import assert_close
 
 
@@ -21,18 +21,70 @@ def test_matches_torch_linear_in_float64(shape, bias):
     assert_close(ours(x), theirs(x))
 
 
+def _runs_here(name: str, dtype: torch.dtype) -> bool:
+    try:
+        KERNELS[name](torch.ones(1, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype), None)
+    except RuntimeError:  # oneDNN's bf16 kernels need AVX-512; the suite also runs on AVX2-only CPUs
+        return False
+    return True
+
+
+def _float64_product(x, weight, bias):
+    return nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
 @pytest.mark.parametrize("bias", [True, False])
-def test_one_bf16_row_matches_the_float64_product_up_to_bf16_rounding(bias):
-    """The matrix-vector path (one row): fp32 accumulation, one bf16 rounding of the result (and
-    of the bias sum): within 2 units of 2^-8 relative to the largest output."""
+@pytest.mark.parametrize("shape", [(1, 1, 256), (1, 256), (256,), (2, 3, 256)], ids=str)
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_kernel_matches_the_float64_product_in_float32(name, shape, bias):
+    """Summation order only: 1e-5 relative to the largest output (entries of ~16 here)."""
+    if name == "mv" and len(shape) > 1 and shape[-2] > 1:
+        pytest.skip("the matrix-vector kernel takes one row")
     torch.manual_seed(0)
-    layer = Linear(256, 64, bias=bias).to(torch.bfloat16)
-    x = torch.randn(1, 1, 256).to(torch.bfloat16)
-    out = layer(x)
+    x, weight, b = torch.randn(*shape), torch.randn(64, 256), torch.randn(64) if bias else None
+    out = KERNELS[name](x, weight, b)
+    expected = _float64_product(x, weight, b)
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_kernel_matches_the_float64_product_up_to_bf16_rounding(name, bias):
+    """fp32 accumulation, one bf16 rounding of the result (and of the bias sum): within 2 units of
+    2^-8 relative to the largest output."""
+    if not _runs_here(name, torch.bfloat16):
+        pytest.skip(f"{name} has no bf16 kernel on this CPU")
+    torch.manual_seed(0)
+    x, weight = torch.randn(1, 1, 256).bfloat16(), torch.randn(64, 256).bfloat16()
+    b = torch.randn(64).bfloat16() if bias else None
+    out = KERNELS[name](x, weight, b)
+    expected = _float64_product(x, weight, b)
     assert out.shape == (1, 1, 64) and out.dtype == torch.bfloat16
-    expected = nn.functional.linear(x.double(), layer.weight.double(),
-                                    None if layer.bias is None else layer.bias.double())
     assert (out.double() - expected).abs().max() <= 2 * 2**-8 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_decoding_product_runs_on_the_kernel_measured_for_it(dtype, rows):
+    torch.manual_seed(0)
+    x, weight, b = torch.randn(rows, 256).to(dtype), torch.randn(64, 256).to(dtype), torch.randn(64).to(dtype)
+    name = kernel_for(dtype, rows)
+    assert name in KERNELS and _runs_here(name, dtype)
+    assert name != "mv" or rows == 1
+    with torch.inference_mode():
+        assert torch.equal(linear(x, weight, b), KERNELS[name](x, weight, b))
+
+
+def test_many_rows_and_recorded_products_take_torch_linear():
+    """Past FEW_ROWS rows, and wherever autograd records (only F.linear has a backward)."""
+    torch.manual_seed(0)
+    weight = torch.randn(8, 32)
+    many = torch.randn(FEW_ROWS + 1, 32)
+    assert torch.equal(linear(many, weight), nn.functional.linear(many, weight))
+    x = torch.randn(1, 32, requires_grad=True)
+    out = linear(x, weight)
+    assert out.grad_fn is not None
 
 
 def test_state_dict_and_type_are_those_of_torch_linear():
@@ -41,7 +93,7 @@ def test_state_dict_and_type_are_those_of_torch_linear():
     assert set(layer.state_dict()) == {"weight", "bias"}
 
 
-def test_gradients_flow_through_the_one_row_path():
+def test_gradients_flow_through_a_one_row_product():
     torch.manual_seed(0)
     layer = Linear(8, 4).to(torch.bfloat16)
     x = torch.randn(1, 8, dtype=torch.bfloat16, requires_grad=True)

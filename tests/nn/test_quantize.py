@@ -85,7 +85,7 @@ def test_what_int8_cannot_quantize_is_refused_naming_it(model, mode, message):
 
 
 def test_where_no_int8_kernel_beats_fp32_it_says_so_once_and_runs_dequantized(monkeypatch):
-    monkeypatch.setattr(quantize_module, "_matvec_seconds", lambda _, kernel: 1.0 if kernel == "fbgemm" else 0.5)
+    monkeypatch.setattr(quantize_module, "fastest", lambda calls: ("fp32", {"fp32": 0.5, "fbgemm": 1.0}))
     said: list[str] = []
     kernel = quantize_module.fastest_kernel(torch.device("cpu"), said.append)
     assert kernel == "dequant" and len(said) == 1 and "dequantized, slower than fp32" in said[0]

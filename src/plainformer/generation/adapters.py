@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..nn.linear import linear
 
 
 class _LanguageModel(Protocol):
@@ -44,23 +43,14 @@ class _Seq2SeqModel(Protocol):
 
 class GPTDecoder:
     """A GPT as `generation` drives it: model(idx, kv_caches) -> (logits (B, 1, V), None), the logits
-    of the last position only, which is all that sampling reads.
-
-    On CPU one token reads every weight once and memory bandwidth sets the pace. In fp32 the output
-    projection x Eᵀ of one row uses a copy of E (V, d_model) laid out as Eᵀ (d_model, V), made on the
-    first such row and freed with the decoder: for one row, MKL streams GPT-2's 154 MB output weight
-    at ~21 GB/s in that layout against ~12 GB/s from (V, d_model) (one core). Several rows are
-    computed as (E xᵀ)ᵀ, E the left operand: at 8 rows of GPT-2's head that took 23 ms against 43 ms
-    for x Eᵀ on the 2-core AVX2 AMD EPYC. In bf16 a row goes through the matrix-vector kernel
-    (`nn.linear.linear`), which reads E as it is.
+    of the last position only, which is all that sampling reads: the output projection of the other
+    positions (a prompt's) is never computed. The head is the model's own (`nn.linear.Linear`, on the
+    kernel measured fastest for decoding's few rows, or an int8 layer with its own kernel).
     """
 
     def __init__(self, model: _LanguageModel):
         self.model = model
         self.block_size = model.block_size
-        head = model.lm_head
-        self.output_weight = head.weight.detach() if isinstance(head, torch.nn.Linear) else None
-        self._output_weight_t: Tensor | None = None
 
     def new_kv_caches(self, batch_size: int) -> list[Any]:
         return self.model.new_kv_caches(batch_size)
@@ -68,17 +58,7 @@ class GPTDecoder:
     def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
                  attention_mask: Tensor | None = None) -> tuple[Tensor, None]:
         hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
-        last = self.model.norm(hidden[:, -1:])  # (B, 1, d_model)
-        weight = self.output_weight
-        if weight is None:  # a head of its own kind (nn.quantize's int8): it knows its kernel
-            return self.model.lm_head(last), None
-        if weight.dtype != torch.float32:
-            return linear(last, weight), None
-        if last.shape[0] > 1:
-            return (weight @ last[:, 0].t()).t().unsqueeze(1), None  # (B, 1, V)
-        if self._output_weight_t is None:
-            self._output_weight_t = weight.t().contiguous()
-        return last @ self._output_weight_t, None  # (B, 1, V)
+        return self.model.lm_head(self.model.norm(hidden[:, -1:])), None  # (B, 1, V)
 
 
 class SourceBoundDecoder:

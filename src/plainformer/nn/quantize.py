@@ -18,7 +18,6 @@ not offered.)
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from collections.abc import Callable
 
@@ -26,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import linear
 from .lora import LoRALinear
 from .moe import MoEFeedForward
+from .timing import fastest
 
 #: The kernels an `Int8Linear` runs on, fastest first where they exist.
 KERNELS = ("fbgemm", "dequant")
@@ -83,29 +84,25 @@ def _fbgemm_pack(q: Tensor, scale: Tensor, bias: Tensor | None) -> object:
 
 
 def fastest_kernel(device: torch.device, log: Callable[[str], None] | None = None) -> str:
-    """The int8 kernel for `device`: fbgemm where torch has it and it beats the fp32 matvec at a
-    GPT-2-sized layer (measured, ~0.1 s), else dequant, said once on `log` (default: stderr)."""
+    """The int8 kernel for `device`: fbgemm where torch has it and it beats fp32 decoding's product
+    (`nn.linear.linear`) over four GPT-2-sized layers, one row (`timing.fastest`, ~0.1 s), else dequant,
+    said once on `log` (default: stderr)."""
     log = log or (lambda line: print(line, file=sys.stderr))
     if device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines:
-        fp32, int8 = _matvec_seconds(nn.Linear(768, 3072), "fp32"), _matvec_seconds(nn.Linear(768, 3072), "fbgemm")
-        if int8 < fp32:
+        layers = [nn.Linear(768, 3072), nn.Linear(3072, 768)] * 2
+        int8 = [Int8Linear(layer, "fbgemm") for layer in layers]
+        inputs = {d_in: torch.randn(1, d_in) for d_in in (768, 3072)}
+        choice, seconds = fastest({
+            "fp32": lambda: [linear(inputs[layer.in_features], layer.weight, layer.bias) for layer in layers],
+            "fbgemm": lambda: [layer(inputs[layer.in_features]) for layer in int8]})
+        if choice == "fbgemm":
             return "fbgemm"
-        log(f"int8: no int8 kernel beats fp32 on this CPU (fbgemm {int8 * 1e3:.2f} ms against fp32 "
-            f"{fp32 * 1e3:.2f} ms per 3072x768 matvec); running the int8 weights dequantized, slower than fp32")
+        log(f"int8: no int8 kernel beats fp32 on this CPU (fbgemm {seconds['fbgemm'] * 1e3:.2f} ms against fp32 "
+            f"{seconds['fp32'] * 1e3:.2f} ms for four GPT-2 layers, one row); running the int8 weights "
+            "dequantized, slower than fp32")
     else:
         log(f"int8: no fast int8 kernel on {device.type}; running the int8 weights dequantized, slower than fp32")
     return "dequant"
-
-
-def _matvec_seconds(linear: nn.Linear, kernel: str, repeats: int = 20) -> float:
-    layer: nn.Module = linear if kernel == "fp32" else Int8Linear(linear, kernel)
-    x = torch.randn(1, linear.in_features)
-    with torch.inference_mode():
-        layer(x)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            layer(x)
-    return (time.perf_counter() - start) / repeats
 
 
 def quantize(model: nn.Module, mode: str = "int8", *, kernel: str | None = None,
@@ -130,7 +127,7 @@ def quantize(model: nn.Module, mode: str = "int8", *, kernel: str | None = None,
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     kernel = kernel or fastest_kernel(parameter.device, log)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, linear in linears:
+    for name, layer in linears:
         parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, Int8Linear(linear, kernel).to(linear.weight.device))
+        setattr(model.get_submodule(parent), attribute, Int8Linear(layer, kernel).to(layer.weight.device))
     return model
