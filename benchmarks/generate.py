@@ -9,6 +9,8 @@ peer's; in bf16 rounding differs between implementations, so they part sooner or
   ours (KV cache)     `GPT.generate(..., temperature=0)`: preallocated KV cache, one token per step
   ours (no cache)     `use_cache=False`: the whole context again at every step
   ours bf16           the same model cast to bfloat16 (weights, cache and activations)
+  ours prepacked      `pf.prepack(model)`: every linear layer's weight reordered once for oneDNN (what
+                      `plainformer sample` decodes with on the CPU); fp32, and bf16 where oneDNN packs it
   ours int8           `pf.quantize(model, "int8")`: weight-only int8, per output row, on the fastest kernel
                       measured on this CPU (nn/quantize.py; target: >= 1.6x our fp32 where one is fast)
   HF                  `GPT2LMHeadModel.generate(do_sample=False)` (its dynamic KV cache), fp32 and bf16
@@ -47,6 +49,7 @@ import torch
 import transformers
 
 import plainformer as pf
+from plainformer.nn.prepack import prepack_supported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hf_gpt2 import gpt2_pair
@@ -59,6 +62,8 @@ COMPARISONS = [
     ("fp32: ours (KV cache) vs HF", "ours (KV cache)", "HF"),
     ("bf16: ours (KV cache) vs HF bf16", "ours bf16 (KV cache)", "HF bf16"),
     ("ours bf16 vs HF fp32", "ours bf16 (KV cache)", "HF"),
+    ("fp32: ours prepacked vs HF", "ours prepacked (KV cache)", "HF"),
+    ("bf16: ours prepacked vs HF bf16", "ours bf16 prepacked (KV cache)", "HF bf16"),
     ("fp32: ours KV cache vs no cache", "ours (KV cache)", "ours (no cache)"),
     ("fp32: batch 8 mixed vs 8 single runs", "ours batch 8 mixed", "ours 8 single runs"),
     ("int8: ours vs ours fp32", "ours int8 (KV cache)", "ours (KV cache)"),
@@ -102,6 +107,9 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
     theirs.generation_config.pad_token_id = 0
     ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
     ours_int8 = pf.quantize(copy.deepcopy(ours), "int8")
+    prepacked = {name: pf.prepack(copy.deepcopy(model)) for name, model in
+                 (("ours prepacked (KV cache)", ours), ("ours bf16 prepacked (KV cache)", ours_bf16))
+                 if prepack_supported(model.lm_head.weight.dtype)}
     theirs_bf16 = copy.deepcopy(theirs).to(torch.bfloat16)
     mask = torch.ones_like(prompt)
 
@@ -126,6 +134,7 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
     return {"ours (KV cache)": ours_call(ours), "HF": hf_call(theirs),
             "ours bf16 (KV cache)": ours_call(ours_bf16), "HF bf16": hf_call(theirs_bf16),
             "ours (no cache)": ours_call(ours, use_cache=False), "ours int8 (KV cache)": ours_call(ours_int8),
+            **{name: ours_call(model) for name, model in prepacked.items()},
             "ours batch 8 mixed": batch_call,
             "ours 8 single runs": singles_call}, ours
 

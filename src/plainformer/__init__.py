@@ -49,6 +49,7 @@ from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .nn.prepack import PackedLinear, prepack
 from .nn.quantize import Int8Linear, quantize
 from .nn.rope import RotaryEmbedding
 from .training.config import TrainConfig
@@ -84,6 +85,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "MoEFeedForward",
     "MultiHeadAttention",
+    "PackedLinear",
     "RMSNorm",
     "RotaryEmbedding",
     "SentenceEncoder",
@@ -127,6 +129,7 @@ __all__ = [
     "merge_lora",
     "plot_attention_maps",
     "plot_loss_curve",
+    "prepack",
     "prepare_lm_data",
     "quantize",
     "router_z_loss",

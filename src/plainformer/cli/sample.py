@@ -6,6 +6,9 @@ every sample in one batch, prompts of different lengths left-padded, each row as
 sample i of the batch uses seed `--seed` + i, so its text is that of `--seed SEED+i` alone. The samples
 print in order, each with its prompt, separated by a `--separator` line. `--stop STRING` (repeatable)
 ends a sample where it first writes STRING, which is not printed.
+
+On the CPU the weights are laid out once for oneDNN before decoding (`nn.prepack`, ~0.5 s for GPT-2
+124M in fp32; 1.2x the tokens/s of the plain layout there), where this CPU's oneDNN takes their dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..generation.stopping import StopStrings
 from ..models.gpt import GPT
 from ..models.memory import check_memory, decoding_bytes, held_bytes
 from ..nn.lora import unload_lora
+from ..nn.prepack import prepack, prepack_supported
 from . import (
     QUANTIZE_HELP,
     UserError,
@@ -105,6 +109,9 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
     _check_memory(model, len(encoded) * args.num_samples, max(map(len, encoded)))
+    weight = model.token_embedding.weight
+    if args.quantize is None and weight.device.type == "cpu" and prepack_supported(weight.dtype):
+        prepack(model)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
     start = time.perf_counter()
