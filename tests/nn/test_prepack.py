@@ -24,7 +24,8 @@ def test_matches_the_float64_product_in_float32_for_any_number_of_rows(shape, bi
     x = torch.randn(*shape)
     with torch.inference_mode():
         out = PackedLinear(layer)(x)
-    expected = nn.functional.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    b = None if layer.bias is None else layer.bias.double()
+    expected = nn.functional.linear(x.double(), layer.weight.double(), b)
     assert out.shape == expected.shape and out.dtype == torch.float32
     assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
