@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import plainformer.cli.sample as sample_module
 from plainformer.cli import main
+from plainformer.nn.prepack import prepack
 
 TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16",
         "--batch-size", "4", "--eval-interval", "4", "--eval-batches", "2", "--warmup-steps", "1", "--no-progress"]
@@ -90,3 +92,17 @@ def test_sample_and_eval_run_int8_weights_close_to_float32(capsys, run):
 def test_int8_with_bfloat16_is_one_line(capsys, run):
     code = main(["sample", "--ckpt", str(run), "--quantize", "int8", "--dtype", "bfloat16"])
     assert code == 2 and "--quantize int8 quantizes the float32 weights" in capsys.readouterr().err
+
+
+def test_sample_decodes_on_prepacked_weights_on_the_cpu_unless_int8(capsys, run, monkeypatch):
+    heads: list[str] = []
+
+    def recording_prepack(model):
+        heads.append(type(prepack(model).lm_head).__name__)
+        return model
+
+    monkeypatch.setattr(sample_module, "prepack", recording_prepack)
+    assert sample(capsys, run, "--prompt", "To be").startswith("To be")
+    assert heads == ["PackedLinear"]
+    sample(capsys, run, "--prompt", "To be", "--quantize", "int8")
+    assert heads == ["PackedLinear"]
