@@ -93,6 +93,19 @@ def _fastest(dtype: torch.dtype, rows: int) -> str:
     return fastest(candidates)[0]
 
 
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) for every `nn.Linear` of `model` (ours included), in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Every `nn.Linear` of `model` swapped for make(layer), in place (int8 and prepacked layers); -> model."""
+    for name, layer in linear_layers(model):
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, make(layer))
+    return model
+
+
 class Linear(nn.Linear):
     """`torch.nn.Linear` (same parameters, same state dict) computed by `linear`."""
 

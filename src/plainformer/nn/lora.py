@@ -166,6 +166,14 @@ def unload_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def refuse_lora_layers(model: nn.Module) -> None:
+    """A ValueError naming the first LoRA layer of `model`, for what takes plain linear layers only
+    (int8, prepacked weights)."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            raise ValueError(f"{name} is a LoRA layer: merge it into its weight first (pf.unload_lora)")
+
+
 def adapter_state_names(model: nn.Module) -> list[str]:
     """The state-dict names a LoRA run saves: its trainable parameters and the persistent buffers
     (an MoE router's bias, which training updates); the frozen base weights stay with the base."""

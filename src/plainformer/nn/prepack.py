@@ -18,7 +18,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from .lora import LoRALinear
+from .linear import linear_layers, replace_linears
+from .lora import refuse_lora_layers
 
 #: Rows the blocked layout is chosen for (oneDNN's hint): the few rows of decoding. Any number of
 #: rows computes the same product; even for one row this layout was faster than the one for 1 row
@@ -72,12 +73,10 @@ def prepack(model: nn.Module) -> nn.Module:
 
     Refused with a ValueError: a model off the CPU, a dtype this CPU's oneDNN cannot pack
     (`prepack_supported`), LoRA layers not merged away (`unload_lora` first), no linear layer."""
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    linears = linear_layers(model)
     if not linears:
         raise ValueError(f"{type(model).__name__} has no linear layer to prepack")
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            raise ValueError(f"{name} is a LoRA layer: merge it into its weight first (pf.unload_lora)")
+    refuse_lora_layers(model)
     for name, linear in linears:
         label = name or type(model).__name__
         if linear.weight.device.type != "cpu":
@@ -85,7 +84,4 @@ def prepack(model: nn.Module) -> nn.Module:
         if not prepack_supported(linear.weight.dtype):
             raise ValueError(f"this CPU's oneDNN cannot prepack {linear.weight.dtype} weights ({label}; bf16 needs "
                              "AVX-512 or AVX-NE-CONVERT): decode with the plain weights")
-    for name, linear in linears:
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, PackedLinear(linear))
-    return model
+    return replace_linears(model, PackedLinear)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import linear
-from .lora import LoRALinear
+from .linear import linear, replace_linears
+from .lora import refuse_lora_layers
 from .moe import MoEFeedForward
 from .timing import fastest
 
@@ -118,17 +118,12 @@ def quantize(model: nn.Module, mode: str = "int8", *, kernel: str | None = None,
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.dtype != torch.float32:
         raise ValueError(f"quantize takes a float32 model, got {None if parameter is None else parameter.dtype}")
+    refuse_lora_layers(model)
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            raise ValueError(f"{name} is a LoRA layer: merge it into its weight first (pf.unload_lora)")
         if isinstance(module, MoEFeedForward):
             raise ValueError(f"{name} holds the stacked weights of its experts, which int8 does not quantize: "
                              "quantize a dense model")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     kernel = kernel or fastest_kernel(parameter.device, log)
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, layer in linears:
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, Int8Linear(layer, kernel).to(layer.weight.device))
-    return model
+    return replace_linears(model, lambda layer: Int8Linear(layer, kernel).to(layer.weight.device))
