@@ -47,6 +47,11 @@ TOKENIZER_FILE = "tokenizer.json"
 SIDE_FILE = "plainformer_tokenizer.json"
 
 
+# The chat template a Hugging Face base came with (jinja2, as transformers renders it), kept beside the
+# tokenizer under the name transformers gives it; it changes no id, so no fingerprint reads it.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
 SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask", "bos", "eos")
 
 
@@ -111,6 +116,7 @@ class Tokenizer(abc.ABC):
 
     kind: ClassVar[str]
     special_tokens: Mapping[str, str]  # role ("pad", "cls", ...) -> token text
+    chat_template: str | None = None  # jinja2 text that renders chat messages as a prompt (see CHAT_TEMPLATE_FILE)
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -119,6 +125,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of `text` alone, with no special token added around it: what a rendered chat template,
+        which writes its own, encodes to (transformers' `add_special_tokens=False`)."""
+        return self.encode(text)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         """[encode(t) for t in texts], in parallel where the backend can."""
@@ -174,10 +185,14 @@ class Tokenizer(abc.ABC):
         return digest.hexdigest()
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write `tokenizer.json` (and the side file, if any) into `directory`, each file atomically."""
+        """Write `tokenizer.json` (and the side file and chat template, if any) into `directory`, each
+        file atomically."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for name, content in self._files().items():
+        files = self._files()
+        if self.chat_template is not None:
+            files[CHAT_TEMPLATE_FILE] = self.chat_template
+        for name, content in files.items():
             with atomic_path(directory / name) as tmp:
                 tmp.write_text(content, encoding="utf-8")
         return directory
@@ -264,6 +279,9 @@ class _HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(_check_text("text", text)).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tok.encode(_check_text("text", text), add_special_tokens=False).ids
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which are not needed here.
@@ -468,4 +486,17 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory}: tokenizer format_version {state.get('format_version')!r} is not "
                          f"supported (expected {FORMAT_VERSION})")
-    return _KINDS[kind]._from_saved(directory, state)
+    tokenizer = _KINDS[kind]._from_saved(directory, state)
+    tokenizer.chat_template = read_chat_template(directory)
+    return tokenizer
+
+
+def read_chat_template(directory: Path) -> str | None:
+    """The text of `directory`'s chat_template.jinja, if it has one."""
+    path = directory / CHAT_TEMPLATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None

@@ -24,6 +24,7 @@ from ..data.tokenizers import (
     WordPieceTokenizer,
     hf_from_file,
     load_tokenizer,
+    read_chat_template,
     read_tokenizer_json,
 )
 from ..files.atomic import atomic_path
@@ -65,6 +66,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike, *,
               **{f"{role}_token": token for role, token in tokenizer.special_tokens.items()}}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
     files[HF_TOKENIZER_CONFIG] = json.dumps(config, ensure_ascii=False, indent=1, sort_keys=True)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -118,13 +121,33 @@ def _gpt2_from_files(directory: Path) -> BPETokenizer:
     return BPETokenizer(tok, special)
 
 
+def _hf_chat_template(directory: Path) -> str | None:
+    """The directory's chat template: chat_template.jinja, else tokenizer_config.json's `chat_template`
+    (a string, or a list of {"name", "template"} of which "default" is the one transformers applies)."""
+    template = read_chat_template(directory)
+    path = directory / HF_TOKENIZER_CONFIG
+    if template is not None or not path.is_file():
+        return template
+    value = read_tokenizer_json(path).get("chat_template")
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
+
+
 def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a Hugging Face directory as ours: plainformer's own when its side file is there,
-    else the tokenizer.json's model — byte-level BPE (any BPE) as `BPETokenizer`, WordPiece as
-    `WordPieceTokenizer`, a one-character-per-token WordLevel as `CharTokenizer` — with the special
-    tokens tokenizer_config.json names; without a tokenizer.json, GPT-2's vocab.json + merges.txt as
-    `BPETokenizer`."""
+    """The tokenizer of a Hugging Face directory as ours, with its chat template: `_hf_tokenizer`."""
     directory = Path(directory)
+    tokenizer = _hf_tokenizer(directory)
+    tokenizer.chat_template = _hf_chat_template(directory)
+    return tokenizer
+
+
+def _hf_tokenizer(directory: Path) -> Tokenizer:
+    """plainformer's own tokenizer when its side file is there, else the tokenizer.json's model —
+    byte-level BPE (any BPE) as `BPETokenizer`, WordPiece as `WordPieceTokenizer`, a one-character-per-token
+    WordLevel as `CharTokenizer` — with the special tokens tokenizer_config.json names; without a
+    tokenizer.json, GPT-2's vocab.json + merges.txt as `BPETokenizer`."""
     if (directory / SIDE_FILE).is_file():
         return load_tokenizer(directory)
     if not (directory / TOKENIZER_FILE).is_file() and has_gpt2_files(directory):
