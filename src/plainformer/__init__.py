@@ -22,6 +22,7 @@ from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
 from .hf.bert import load_hf_bert, save_hf_bert
+from .hf.gguf import save_gguf
 from .hf.gpt import load_hf, save_hf
 from .hf.lora import load_lora, save_lora
 from .hf.sentence import SentenceEncoder
@@ -135,6 +136,7 @@ __all__ = [
     "router_z_loss",
     "sample_next",
     "save_checkpoint",
+    "save_gguf",
     "save_hf",
     "save_hf_bert",
     "save_hf_tokenizer",

@@ -238,3 +238,158 @@ def test_sample_and_eval_take_a_hugging_face_directory_as_ckpt(run, capsys, tmp_
         evaluations.append(json.loads(stdout.splitlines()[-1]))
     assert evaluations[1]["tokens"] == evaluations[0]["tokens"]
     assert evaluations[1]["val_loss"] == pytest.approx(evaluations[0]["val_loss"], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- export: GGUF and LoRA adapters
+
+def test_export_to_gguf_runs_in_llama_cpp_with_our_ids_and_greedy_tokens(run, capsys, tmp_path):
+    from tests.reference.llama_cpp import llama_cpp
+
+    code, stdout, _ = run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "model.gguf")
+    assert code == 0
+    path = tmp_path / "model.gguf"
+    assert json.loads(stdout.splitlines()[-1]) == {"out": str(path), "format": "gguf", "gguf_type": "f32",
+                                                   "bytes": path.stat().st_size, "tokenizer": "char"}
+    ours = pf.GPT.from_checkpoint(run / "best")
+    ids = ours.tokenizer.encode(TEXT)
+    with llama_cpp(path, ours.config.block_size) as runtime:
+        assert runtime.tokenize(TEXT) == ids
+        assert runtime.greedy(ids, 16) == ours.generate(torch.tensor([ids]), 16, temperature=0.0)[0, len(ids):].tolist()
+
+
+def test_export_format_gguf_and_gguf_type_q8_0_write_llama_cpp_s_blocks(run, capsys, tmp_path):
+    import gguf
+
+    code, _, _ = run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "model", "--format", "gguf",
+                         "--gguf-type", "q8_0")
+    assert code == 0
+    reader = gguf.GGUFReader(tmp_path / "model")
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType.MOSTLY_Q8_0
+    types = gguf.GGMLQuantizationType
+    matrices = [t for t in reader.tensors if len(t.shape) > 1]
+    # a row (ggml's first dimension) a multiple of 32 long is in blocks; another is written f16
+    assert {t.name: t.tensor_type for t in matrices} == {
+        t.name: types.Q8_0 if t.shape[0] % 32 == 0 else types.F16 for t in matrices}
+    assert sum(t.tensor_type == types.Q8_0 for t in matrices) > len(matrices) // 2
+
+
+def _checkpoint(path: Path, family: str) -> Path:
+    """A small BERT (masked LM) or encoder-decoder checkpoint: families without a GGUF layout."""
+    tokenizer = pf.BPETokenizer.train(pf.load_text()[:20_000], 300, special_tokens=("pad", "bos", "eos"))
+    if family == "bert-mlm":
+        config = pf.BertConfig(vocab_size=tokenizer.vocab_size, max_len=16, n_layers=1, n_heads=2, d_model=16, d_ff=32)
+        model = pf.BertForMaskedLM(config)
+    else:
+        config = pf.TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
+                                      max_len=16, n_layers=1, n_heads=2, d_model=16, d_ff=32, pad_id=tokenizer.pad_id,
+                                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+        model = pf.Transformer(config)
+    pf.save_checkpoint(path, model=model, family=family, model_config=config.to_dict(), tokenizer=tokenizer)
+    return path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{tmp}/m.gguf", "--gguf-type", "q4_0"], "argument --gguf-type: invalid choice: 'q4_0'"),
+    (["--out", "{tmp}/dir", "--gguf-type", "f16"], "--gguf-type sets the weights of a GGUF file"),
+    (["--out", "{tmp}/m.gguf", "--adapter"], "--adapter writes an adapter directory in PEFT's format"),
+    (["--out", "{tmp}/dir", "--adapter"], "holds none (fine-tune with --lora-r to make one)"),
+])
+def test_export_refuses_mismatched_flags_in_one_line(run, capsys, tmp_path, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, *argv)
+    assert code == 2 and stdout == "" and len(stderr.splitlines()) == 1
+    assert stderr.startswith("plainformer: error: ") and message in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family, model", [("bert-mlm", "BertForMaskedLM"), ("transformer", "Transformer")])
+def test_export_of_a_bert_or_an_encoder_decoder_to_gguf_is_refused_in_one_line(capsys, tmp_path, family, model):
+    ckpt = _checkpoint(tmp_path / "ckpt", family)
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", ckpt, "--out", tmp_path / "model.gguf")
+    assert code == 2 and stdout == ""
+    assert stderr == (f"plainformer: error: a {model} has no GGUF layout here; a GGUF export takes a GPT "
+                      "(GPT-2 or Llama layout)\n")
+    assert not (tmp_path / "model.gguf").exists()
+
+
+def test_export_to_gguf_on_a_full_disk_is_one_line_and_leaves_nothing(
+        run, capsys, small_tmpfs):
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", small_tmpfs / "model.gguf")
+    assert code == 2 and stdout == ""
+    assert stderr == (f"plainformer: error: the disk is full: could not write the file {small_tmpfs / 'model.gguf'}; "
+                      f"free space on the file system of {small_tmpfs} and retry\n")
+    assert list(small_tmpfs.iterdir()) == []
+
+
+def test_export_to_gguf_into_a_read_only_folder_names_the_file(run, capsys, read_only_tmpfs):
+    code, _, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", read_only_tmpfs / "model.gguf")
+    assert code == 2
+    assert stderr == f"plainformer: error: cannot write {read_only_tmpfs / 'model.gguf'}: Read-only file system\n"
+
+
+LORA_TRAINING = ["--max-steps", "4", "--lr", "3e-2", "--batch-size", "2", "--eval-interval", "2", "--eval-batches",
+                 "1", "--warmup-steps", "1", "--no-progress", "--dtype", "float32", "--lora-r", "4"]
+
+
+def _lora_run(capsys, monkeypatch, tmp_path: Path, base: Path) -> Path:
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "data.txt"
+    data.write_text(pf.load_text()[:20_000], encoding="utf-8")
+    code, _, stderr = run_cli(capsys, "finetune", "--init", base, "--data", data, "--out", tmp_path / "lora",
+                              *LORA_TRAINING)
+    assert code == 0, stderr
+    return tmp_path / "lora"
+
+
+def test_export_adapter_of_a_llama_base_loads_in_peft_and_equals_the_merged_export(
+        run, capsys, monkeypatch, tmp_path):
+    peft = pytest.importorskip("peft")
+    assert run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "base")[0] == 0
+    lora = _lora_run(capsys, monkeypatch, tmp_path, tmp_path / "base")
+    code, stdout, _ = run_cli(capsys, "export", "--ckpt", lora, "--out", tmp_path / "adapter", "--adapter")
+    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                         "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert json.loads(stdout.splitlines()[-1])["base_model_name_or_path"] == config["base_model_name_or_path"]
+    assert run_cli(capsys, "export", "--ckpt", lora, "--out", tmp_path / "merged")[0] == 0
+
+    ids = torch.tensor([pf.GPT.from_checkpoint(run / "best").tokenizer.encode(TEXT)])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        before = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()  # adapts `base` in place
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert (adapted(ids).logits - merged(ids).logits).abs().max().item() <= TOLERANCE
+        assert (adapted(ids).logits - before).abs().max().item() > 100 * TOLERANCE  # the adapter moved it
+
+
+def test_export_adapter_of_a_gpt2_base_is_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    tokenizer = pf.CharTokenizer(pf.load_text()[:20_000])
+    config = pf.GPTConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layers=1, n_heads=2, d_model=16, d_ff=32,
+                          pos_encoding="learned", norm="layernorm", activation="gelu_tanh", bias=True, dropout=0.0)
+    pf.save_hf(pf.GPT(config), tmp_path / "gpt2", tokenizer=tokenizer)
+    lora = _lora_run(capsys, monkeypatch, tmp_path, tmp_path / "gpt2")
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", lora, "--out", tmp_path / "adapter", "--adapter")
+    assert code == 2 and stdout == "" and len(stderr.splitlines()) == 1
+    assert "has no PEFT form" in stderr and "c_attn" in stderr
+    assert not (tmp_path / "adapter").exists()
+    assert run_cli(capsys, "export", "--ckpt", lora, "--out", tmp_path / "merged.gguf")[0] == 0  # merged is fine
+
+
+def test_the_base_s_chat_template_rides_into_the_hf_export_and_the_gguf(capsys, tmp_path):
+    import gguf
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer = pf.CharTokenizer(pf.load_text()[:20_000])
+    config = pf.GPTConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layers=1, n_heads=2, d_model=32, d_ff=64,
+                          pos_encoding="rope", norm="rmsnorm", activation="swiglu", bias=False, dropout=0.0)
+    pf.save_hf(pf.GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    settings = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
+    assert run_cli(capsys, "export", "--ckpt", tmp_path / "base", "--out", tmp_path / "hf")[0] == 0
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
+    assert run_cli(capsys, "export", "--ckpt", tmp_path / "base", "--out", tmp_path / "m.gguf")[0] == 0
+    field = gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.chat_template"]
+    assert bytes(field.parts[-1]).decode() == template

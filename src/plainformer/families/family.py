@@ -41,6 +41,8 @@ ConfigT = TypeVar("ConfigT", bound=Config)
 Evaluator = Callable[[argparse.Namespace, Path, Path, dict[str, Any]], dict[str, Any]]
 #: Writes a model of the family (and its tokenizer) as a Hugging Face directory.
 Exporter = Callable[[nn.Module, Path, Any], None]
+#: Writes a model of the family (and its tokenizer) as one GGUF file, its weights of the type named.
+GGUFExporter = Callable[[nn.Module, Path, Any, str], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Family:
     from_base: for fine-tuning, the family's model with the weights of a pretrained model's directory
         (its own or a Hugging Face one) and the given config changes, with `.tokenizer`; `head`: the name
         patterns of the parameters a LoRA run trains besides the adapter (a classifier's).
-    export: its Hugging Face layout, None when it has none.
+    export: its Hugging Face layout, None when it has none; gguf: its GGUF file (llama.cpp), likewise.
     positions: the config field that bounds a text's length; cross_attention: whether `attention`
         plots an encoder-decoder's cross-attention (else self-attention).
     """
@@ -73,6 +75,7 @@ class Family:
     from_base: Callable[[Path, Mapping[str, Any]], SavedModel] | None = None
     head: tuple[str, ...] = ()
     export: Exporter | None = None
+    gguf: GGUFExporter | None = None
     positions: str = "max_len"
     cross_attention: bool = False
 

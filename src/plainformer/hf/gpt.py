@@ -490,7 +490,9 @@ def _max_len(model: GPT | BertModel) -> int:
     return model.config.block_size if isinstance(model, GPT) else model.config.max_len
 
 
-def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
+def exported_state(model: GPT, tokenizer: Tokenizer | None) -> tuple[GPTConfig, dict[str, Tensor]]:
+    """The config and weights a GPT is exported with: a vocabulary padded past the tokenizer's cropped to
+    it (no id reaches those rows), and a GPT-2-layout model without biases given zero ones."""
     config, state = model.config, model.state_dict()
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         if tokenizer.vocab_size > config.vocab_size:
@@ -501,6 +503,11 @@ def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
                  for k, v in state.items()}
     if layout_for(config) is GPT2 and not config.bias:
         config, state = _with_zero_biases(config, state)
+    return config, state
+
+
+def _save_gpt(model: GPT, directory: Path, tokenizer: Tokenizer | None) -> Path:
+    config, state = exported_state(model, tokenizer)
     hf_config = gpt_config_to_hf(config, tokenizer, dtype=model.token_embedding.weight.dtype)
     tensors = state_to_hf(state, config)
     directory.mkdir(parents=True, exist_ok=True)

@@ -46,15 +46,28 @@ def _hf_modules(model: nn.Module) -> dict[str, str] | None:
             if ours.endswith(".weight")}
 
 
-def save_lora(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write the LoRA layers of `model` (A, B, r, α, dropout) to `directory`; returns it. In PEFT's format
-    and names where the model has a Hugging Face layout (see the module docstring), else in ours."""
+def _lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     layers = {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
     if not layers:
         raise ValueError(f"the {type(model).__name__} has no LoRA layers to save; add_lora first")
+    return layers
+
+
+def has_peft_names(model: nn.Module) -> bool:
+    """Whether every LoRA layer of `model` adapts a module PEFT names alone (not GPT-2's fused c_attn), so
+    that `save_lora` writes PEFT's names."""
+    hf = _hf_modules(model)
+    return hf is not None and all(name in hf for name in _lora_layers(model))
+
+
+def save_lora(model: nn.Module, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> Path:
+    """Write the LoRA layers of `model` (A, B, r, α, dropout) to `directory`; returns it. In PEFT's format
+    and names where the model has a Hugging Face layout (see the module docstring, `has_peft_names`), else
+    in ours; adapter_config.json names `base_model_name_or_path`, the base the adapter was trained on."""
+    layers = _lora_layers(model)
     first = next(iter(layers.values()))
     hf = _hf_modules(model)
-    peft_names = hf is not None and all(name in hf for name in layers)
+    peft_names = has_peft_names(model)
     names = {name: _PEFT_PREFIX + hf[name] if peft_names and hf else name for name in layers}
     tensors: dict[str, Tensor] = {}
     for name, layer in layers.items():
@@ -64,7 +77,7 @@ def save_lora(model: nn.Module, directory: str | os.PathLike) -> Path:
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if isinstance(model, GPT) else None,
               "r": first.r, "lora_alpha": first.alpha, "lora_dropout": first.lora_dropout.p,
               "target_modules": sorted({n.rpartition(".")[2] for n in names.values()}), "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
