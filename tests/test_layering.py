@@ -25,7 +25,7 @@ LAYERS = [
     ("training",),
     ("families",),
     ("recipes",),
-    ("cli",),
+    ("cli", "serve"),  # the applications: the command line, and the HTTP server its `serve` verb starts
     ("__init__", "__main__"),  # `import plainformer as pf`
 ]
 RANK = {layer: rank for rank, names in enumerate(LAYERS) for layer in names}

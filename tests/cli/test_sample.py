@@ -8,24 +8,19 @@ from pathlib import Path
 
 import pytest
 
-import plainformer.cli.sample as sample_module
+import plainformer.families.gpt as gpt_family
 from plainformer.cli import main
 from plainformer.nn.prepack import prepack
+from tests.reference.runs import trained_run
 
 TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16",
-        "--batch-size", "4", "--eval-interval", "4", "--eval-batches", "2", "--warmup-steps", "1", "--no-progress"]
+        "--batch-size", "4", "--eval-interval", "4", "--eval-batches", "2", "--warmup-steps", "1"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("sample")
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("\n\n\n".join(f"To be, or not to be, that is the question {i}.\n" * 20 for i in range(5)))
-    out = tmp / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PLAINFORMER_CACHE", str(tmp / "cache"))
-        assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "8", *TINY]) == 0
-    return out
+    text = "\n\n\n".join(f"To be, or not to be, that is the question {i}.\n" * 20 for i in range(5))
+    return trained_run(tmp_path_factory.mktemp("sample"), text, "--max-steps", "8", *TINY)
 
 
 def sample(capsys, run: Path, *argv: str) -> str:
@@ -101,7 +96,7 @@ def test_sample_decodes_on_prepacked_weights_on_the_cpu_unless_int8(capsys, run,
         heads.append(type(prepack(model).lm_head).__name__)
         return model
 
-    monkeypatch.setattr(sample_module, "prepack", recording_prepack)
+    monkeypatch.setattr(gpt_family, "prepack", recording_prepack)  # what prepack_for_decoding calls
     assert sample(capsys, run, "--prompt", "To be").startswith("To be")
     assert heads == ["PackedLinear"]
     sample(capsys, run, "--prompt", "To be", "--quantize", "int8")

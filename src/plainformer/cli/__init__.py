@@ -34,7 +34,7 @@ from ..models.memory import MemoryBudgetError, memory_limit, parse_size
 from ..training.distributed import is_main_process, log, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "evaluate", "sample", "translate", "embed", "hf", "prepare")
+COMMAND_MODULES = ("train", "evaluate", "sample", "translate", "embed", "hf", "prepare", "serve")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import load_language_model
+from ..families.gpt import load_language_model, prepack_for_decoding
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.stopping import StopStrings
 from ..models.gpt import GPT
 from ..models.memory import check_memory, decoding_bytes, held_bytes
 from ..nn.lora import unload_lora
-from ..nn.prepack import prepack, prepack_supported
 from . import (
     QUANTIZE_HELP,
     UserError,
@@ -109,9 +108,8 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
     _check_memory(model, len(encoded) * args.num_samples, max(map(len, encoded)))
-    weight = model.token_embedding.weight
-    if args.quantize is None and weight.device.type == "cpu" and prepack_supported(weight.dtype):
-        prepack(model)
+    if args.quantize is None:
+        prepack_for_decoding(model)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
     start = time.perf_counter()

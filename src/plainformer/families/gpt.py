@@ -19,9 +19,11 @@ from ..data.lm import LMBatchSource
 from ..data.prepared import prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..errors import UserError
+from ..hf.gguf import save_gguf
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
+from ..nn.prepack import prepack, prepack_supported
 from ..nn.quantize import quantize
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
@@ -136,6 +138,14 @@ def load_language_model(path: Path, dtype: str = "float32", quantized: str | Non
     return (model.to(torch.bfloat16) if dtype == "bfloat16" else model), model.tokenizer
 
 
+def prepack_for_decoding(model: GPT) -> None:
+    """On the CPU, lay the float weights out once for oneDNN (`nn.prepack`) where this CPU's oneDNN takes
+    their dtype: what `sample` and `serve` decode with (not an int8 model, which has kernels of its own)."""
+    weight = model.token_embedding.weight
+    if weight.device.type == "cpu" and prepack_supported(weight.dtype):
+        prepack(model)
+
+
 def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
              ) -> dict[str, Any]:
     """`plainformer eval` of a GPT: mean next-token loss over the whole validation split of --data
@@ -155,8 +165,12 @@ def export(model: nn.Module, directory: Path, tokenizer: Any) -> None:
     save_hf(model, directory, tokenizer=tokenizer)  # type: ignore[arg-type]  # a GPT, as its family says
 
 
+def export_gguf(model: nn.Module, path: Path, tokenizer: Any, dtype: str) -> None:
+    save_gguf(model, path, tokenizer=tokenizer, dtype=dtype)  # type: ignore[arg-type]  # a GPT, as above
+
+
 GPT_FAMILY = Family(
     name="gpt", model=GPT, config=GPTConfig, data_fields=("vocab_size",),
     options=("data", "val_data", "text_field", "tokenizer", "vocab_size", "threads", *FINE_TUNING_OPTIONS),
     train=train, evaluate=evaluate, eval_options=("data", "dtype", "quantize"), finetune_fields=("dropout",),
-    from_base=from_base, export=export, positions="block_size")
+    from_base=from_base, export=export, gguf=export_gguf, positions="block_size")

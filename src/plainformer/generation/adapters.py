@@ -60,6 +60,10 @@ class GPTDecoder:
         hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
         return self.model.lm_head(self.model.norm(hidden[:, -1:])), None  # (B, 1, V)
 
+    def all_logits(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> Tensor:
+        """The logits (B, n, V) of every position of idx (B, n): what scoring a prompt reads."""
+        return self.model.lm_head(self.model.norm(self.model.hidden_states(idx, kv_caches=kv_caches)))
+
 
 class SourceBoundDecoder:
     """The decoder with the encoder memory of B sources bound: a next-token model over target

@@ -70,3 +70,58 @@ class KVCache:
         """
         self._k = self._k.index_select(0, batch_indices)
         self._v = self._v.index_select(0, batch_indices)
+
+
+class RowsKVCache(KVCache):
+    """A `KVCache` whose rows come and go while a batch decodes (continuous batching).
+
+    Buffers (max_rows, H_kv, max_len, d_k) are allocated once; the model sees the first `rows` of them.
+    Every row's newest position is column length-1 (rows are right-aligned), so a row of n positions holds
+    columns length-n .. length-1 and the columns before are padding that an attention mask hides.
+    """
+
+    def __init__(self, max_rows: int, n_kv_heads: int, max_len: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__(max_rows, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        # Zeroed, unlike a KVCache: a masked column still enters the product weights · V (as 0 · v), so it
+        # must hold no NaN that uninitialised memory could.
+        self._k_all, self._v_all = self._k.zero_(), self._v.zero_()
+        self.resize(0)
+
+    @classmethod
+    def like(cls, cache: KVCache, max_rows: int) -> RowsKVCache:
+        """A cache of max_rows rows with the heads, length, width, dtype and device of `cache`."""
+        _, heads, max_len, head_dim = cache._k.shape
+        return cls(max_rows, heads, max_len, head_dim, dtype=cache._k.dtype, device=cache._k.device)
+
+    @property
+    def rows(self) -> int:
+        return self._k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._k.device
+
+    def resize(self, rows: int) -> None:
+        """Decode with the first `rows` rows (those past it are free)."""
+        self._k, self._v = self._k_all[:rows], self._v_all[:rows]
+
+    def put(self, row: int, source: KVCache) -> None:
+        """Copy the positions of `source` (a one-row cache) into `row`, ending at column length-1."""
+        n = source.length
+        self._k_all[row, :, self.length - n:self.length] = source.keys()[0]
+        self._v_all[row, :, self.length - n:self.length] = source.values()[0]
+
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s positions into row `dst` (a finished row's slot is refilled by the last row)."""
+        self._k_all[dst, :, :self.length] = self._k_all[src, :, :self.length]
+        self._v_all[dst, :, :self.length] = self._v_all[src, :, :self.length]
+
+    def shift(self, columns: int) -> None:
+        """Move every row's positions `columns` to the right (> 0: room for a longer row before them)
+        or to the left (< 0: padding that no row needs dropped); length changes by `columns`."""
+        keep = self.length if columns > 0 else self.length + columns
+        start = max(0, -columns)
+        for buffer in (self._k, self._v):
+            buffer[:, :, max(0, columns):max(0, columns) + keep] = buffer[:, :, start:start + keep].clone()
+        self.length += columns

@@ -1,0 +1,184 @@
+"""The model behind the API: requests become jobs of the one `ContinuousBatcher`, and its events fill
+each request's choices.
+
+Each prompt of a request is one job of `n` rows. Row j of prompt i draws with seed + i·n + j when a
+seed is given: the row `plainformer sample --seed SEED --num-samples n` draws for that prompt, and the
+same row alone draws the same tokens. A job's prompt plus max_tokens must fit the model's context, and
+its prompt's forward pass the memory available (`models.memory`); else a 400 names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ..data.tokenizers import Tokenizer
+from ..generation.batching import (
+    Cancelled,
+    ContinuousBatcher,
+    Event,
+    Failed,
+    Job,
+    PromptScores,
+    QueueFull,
+    Sampling,
+    Token,
+)
+from ..generation.stopping import StopStrings
+from ..models.gpt import GPT
+from ..models.memory import MemoryBudgetError, check_memory, forward_bytes
+from .choices import Choice
+from .protocol import APIError, Decoding
+
+RETRY_AFTER_S = 1
+
+
+class Service:
+    """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting jobs."""
+
+    def __init__(self, model: GPT, name: str, *, max_batch: int = 16, max_queue: int = 64):
+        if model.tokenizer is None:
+            raise ValueError("the model has no tokenizer, so text cannot be encoded")
+        self.model, self.tokenizer, self.name = model, model.tokenizer, name
+        self.batcher = ContinuousBatcher(model.decoder(), max_rows=max_batch, max_queue=max_queue)
+        self.created = int(time.time())
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "plainformer",
+                "max_model_len": self.block_size}
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise APIError(f"The model {name!r} does not exist: this server serves {self.name!r}", param="model",
+                           status=404, code="model_not_found")
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """A prompt's token ids: a text encoded, or ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except ValueError as error:  # a character the vocabulary lacks
+                raise APIError(f"{param}: {error}", param=param) from None
+        else:
+            ids = prompt
+            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise APIError(f"{param} holds token id {bad[0]}, outside the vocabulary [0, "
+                               f"{self.model.config.vocab_size})", param=param)
+        if not ids:
+            raise APIError(f"{param} encodes to no tokens; give at least one", param=param)
+        return ids
+
+    def max_new_tokens(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """The tokens a prompt may gain: max_tokens if it fits the context with the prompt (None: all that
+        fit); and the prompt's forward pass must fit the memory."""
+        if len(ids) > self.block_size:
+            raise APIError(f"{param} is {len(ids)} tokens, more than the model's context of {self.block_size}",
+                           param=param, code="context_length_exceeded")
+        room = self.block_size - len(ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(f"max_tokens={max_tokens} and the prompt's {len(ids)} tokens exceed the model's context "
+                           f"of {self.block_size} tokens: at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
+        dtype = self.model.token_embedding.weight.dtype
+        try:
+            check_memory(f"a prompt of {len(ids)} tokens needs ~{{needed}} for its forward pass",
+                         lambda: forward_bytes(self.model.config, 1, len(ids), dtype=dtype))
+        except MemoryBudgetError as error:
+            raise APIError(str(error), param=param) from None
+        return room if max_tokens is None else max_tokens
+
+
+class Exchange:
+    """One request in the batcher: its jobs, and the choices their events fill (`updates`)."""
+
+    def __init__(self, service: Service, prompts: Sequence[list[int]], decoding: Decoding, *,
+                 logprobs: int | None = None, echo: bool = False, params: Sequence[str] = ()):
+        self.service, self.decoding = service, decoding
+        tokenizer: Tokenizer = service.tokenizer
+        self.stop = StopStrings(tokenizer.decode, decoding.stop) if decoding.stop else None
+        n = decoding.n
+        self.choices = [Choice(i * n + j, ids, echo=echo) for i, ids in enumerate(prompts) for j in range(n)]
+        sampling = Sampling(temperature=float(decoding.temperature), top_k=None if decoding.top_k == -1 else
+                            decoding.top_k, top_p=None if decoding.top_p in (None, 1) else float(decoding.top_p))
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.jobs, self._open = [], 0
+        self._scored_only: set[int] = set()  # prompts whose job scores the prompt and draws nothing
+        for i, ids in enumerate(prompts):
+            max_new = service.max_new_tokens(ids, decoding.max_tokens, params[i] if params else "prompt")
+            seed = decoding.seed
+            job = Job(ids, max_new, self._emitter(loop, i), sampling=sampling,
+                      seeds=[None if seed is None else seed + i * n + j for j in range(n)],
+                      eos_id=tokenizer.eos_id, stop=self.stop, logprobs=logprobs,
+                      prompt_logprobs=logprobs if echo and logprobs is not None else None)
+            if max_new or job.prompt_logprobs is not None:
+                self.jobs.append(job)
+                self._open += n if max_new else 1
+            if not max_new:
+                self._scored_only.add(i)
+                for choice in self.choices[i * n:(i + 1) * n]:
+                    choice.finish = "length"
+
+    def _emitter(self, loop: asyncio.AbstractEventLoop, prompt: int) -> Any:
+        def emit(event: Event) -> None:  # on the batcher's thread
+            loop.call_soon_threadsafe(self._queue.put_nowait, (prompt, event))
+        return emit
+
+    def submit(self) -> None:
+        """Every job into the batcher, or none (a 429 with Retry-After when its queue is full)."""
+        for submitted, job in enumerate(self.jobs):
+            try:
+                self.service.batcher.submit(job)
+            except QueueFull as error:
+                self.cancel(self.jobs[:submitted])
+                raise APIError(f"the server is busy: {error}; retry shortly", status=429,
+                               type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def cancel(self, jobs: Sequence[Job] | None = None) -> None:
+        """Free the rows of `jobs` (default all) at the batcher's next step."""
+        for job in self.jobs if jobs is None else jobs:
+            job.cancelled = True
+
+    async def updates(self) -> AsyncIterator[Choice]:
+        """Each choice as an event changes it, until every choice has finished."""
+        n = self.decoding.n
+        while self._open:
+            prompt, event = await self._queue.get()
+            if isinstance(event, Failed):
+                raise APIError(event.message, status=500, type="server_error")
+            if isinstance(event, Cancelled):
+                raise APIError("the server is shutting down", status=503, type="server_error")
+            if isinstance(event, PromptScores):
+                for choice in self.choices[prompt * n:(prompt + 1) * n]:
+                    choice.prompt_scores = event
+                self._open -= prompt in self._scored_only
+                for choice in self.choices[prompt * n:(prompt + 1) * n]:
+                    yield choice
+                continue
+            assert isinstance(event, Token)
+            choice = self.choices[prompt * n + event.choice]
+            choice.tokens.append(event.token)
+            choice.logprobs.append(event.logprob)
+            choice.top.append(event.top)
+            if event.finish is not None:
+                choice.finish = event.finish
+                self._open -= 1
+            yield choice
+
+    def settled(self, choice: Choice) -> bool:
+        """Whether `choice` was whole before any job ran (max_tokens 0, no prompt to score)."""
+        return choice.finish is not None and choice.index // self.decoding.n not in self._scored_only
+
+    def usage(self) -> dict[str, int]:
+        prompt_tokens = sum(len(choice.prompt) for choice in self.choices[::self.decoding.n])
+        completion_tokens = sum(len(choice.tokens) for choice in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
