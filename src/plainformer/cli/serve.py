@@ -84,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
     ready = f"plainformer serve: {name} at {url} (--max-batch {args.max_batch}); Ctrl-C to stop"
     start = time.perf_counter()
-    server.run(create_app(service, api_key=args.api_key, on_ready=lambda: log(ready)), sock, grace_s=GRACE_S)
+    server.run(create_app(service, api_key=args.api_key, on_ready=lambda: log(ready)), sock, service.batcher,
+               grace_s=GRACE_S)
     return {"model": name, "served_s": time.perf_counter() - start, "decoding_steps": service.batcher.steps}
 
 

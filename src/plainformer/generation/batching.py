@@ -1,7 +1,8 @@
 """Continuous batching: requests join a decoding batch while it runs and leave it when done (Orca, Yu et
 al. 2022), each row drawing exactly the tokens it would draw alone.
 
-One thread owns the model. Each turn it admits waiting requests, then advances every row by one token:
+One thread owns the model (`run`, or `start` for a thread of its own). Each turn it admits waiting
+requests, then advances every row by one token:
 
     prefill    a new request's prompt (1, p) runs alone, with a cache of its own: its first token is drawn
                from exactly the logits it would get alone, and its keys and values are copied into the
@@ -155,20 +156,35 @@ class ContinuousBatcher:
         self._waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="plainformer-batcher", daemon=True)
+        self._thread: threading.Thread | None = None
         self.steps = 0  # batched decoding steps taken (what tests and benchmarks read)
 
     # ------------------------------------------------------------------ the caller's side
 
+    def run(self) -> None:
+        """Decode in this thread until `stop` (what a server's main thread does)."""
+        with torch.inference_mode():
+            while (admitted := self._next_jobs()) is not None:
+                for job in admitted:
+                    self._guarded(job, self._prefill)
+                self._drop_cancelled()
+                if self._rows:
+                    self._guarded(None, self._step)
+        for job in {row.job for row in self._rows} | set(self._waiting):
+            job.emit(Cancelled())
+
     def start(self) -> None:
+        """`run` on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="plainformer-batcher", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what waits and what decodes, and end the thread."""
+        """Cancel what waits and what decodes, and end `run` (and its thread, if `start` made one)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
         """Queue `job`; QueueFull when max_queue jobs wait already. The job's sizes are checked here."""
@@ -190,17 +206,6 @@ class ContinuousBatcher:
         return len(self._rows)
 
     # ------------------------------------------------------------------ the batcher's thread
-
-    def _serve(self) -> None:
-        with torch.inference_mode():
-            while (admitted := self._next_jobs()) is not None:
-                for job in admitted:
-                    self._guarded(job, self._prefill)
-                self._drop_cancelled()
-                if self._rows:
-                    self._guarded(None, self._step)
-        for job in {row.job for row in self._rows} | set(self._waiting):
-            job.emit(Cancelled())
 
     def _next_jobs(self) -> list[Job] | None:
         """The waiting jobs that fit beside the running rows (waiting while there is nothing to do);

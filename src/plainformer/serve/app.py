@@ -37,16 +37,14 @@ MAX_BODY_BYTES = 4 << 20
 
 def create_app(service: Service, *, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The application serving `service`; the batcher runs from the app's startup to its shutdown, and
-    `on_ready` is called once it has started (the server then stops cleanly on a signal)."""
+    """The application serving `service`, whose batcher the caller runs (`server.run`); `on_ready` is
+    called once the application has started."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        service.batcher.start()
         if on_ready is not None:
             on_ready()
         yield
-        service.batcher.stop()
 
     app = FastAPI(title="plainformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)

@@ -10,6 +10,7 @@ its prompt's forward pass the memory available (`models.memory`); else a 400 nam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -128,7 +129,8 @@ class Exchange:
 
     def _emitter(self, loop: asyncio.AbstractEventLoop, prompt: int) -> Any:
         def emit(event: Event) -> None:  # on the batcher's thread
-            loop.call_soon_threadsafe(self._queue.put_nowait, (prompt, event))
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the request is gone with it
+                loop.call_soon_threadsafe(self._queue.put_nowait, (prompt, event))
         return emit
 
     def submit(self) -> None:
