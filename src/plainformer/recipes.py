@@ -68,6 +68,14 @@ class Recipe:
         """The first of `shapes` whose min_gflops `gflops` reaches."""
         return next(shape for shape in self.shapes if gflops >= shape.min_gflops)
 
+    def rates_taking(self, shape: Shape) -> str:
+        """The matmul rates this recipe takes `shape` at: "from 250 GFLOP/s", and for the last shape (any
+        machine's) "below" the one before it."""
+        if shape.min_gflops:
+            return f"from {shape.min_gflops:g} GFLOP/s"
+        faster = [other.min_gflops for other in self.shapes if other.min_gflops]
+        return f"below {min(faster):g} GFLOP/s" if faster else "at any rate"
+
     def shaped_for(self, gflops: float) -> tuple[Shape, Recipe]:
         """The shape for a machine multiplying at `gflops`, and this recipe with its changes made."""
         shape = self.shape_for(gflops)

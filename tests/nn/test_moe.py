@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, 
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 import plainformer as pf
-from plainformer.nn.moe import expert_counts, moe_layers, update_router_biases
+from plainformer.nn.moe import expert_counts, moe_layers
 from tests.reference.torch_reference import assert_close, upstream_like
 
 
@@ -341,7 +341,7 @@ def test_bias_update_counts_every_micro_batch_once_per_step_and_stays_zero_mean(
     layer(_skewed_input((1, 6, 8), seed=1))
     layer(_skewed_input((1, 4, 8), seed=2))
     assert layer.step_load.tolist() == [0, 0, 0, 10]
-    update_router_biases(torch.nn.Sequential(layer))
+    layer.update_bias()  # what training does after each optimizer step (training/moe_stats.py)
     # sign(mean - load) = (+, +, +, -) → b = 0.1 · (1, 1, 1, -1) - mean = (0.05, 0.05, 0.05, -0.15)
     assert_close(layer.expert_bias, torch.tensor([0.05, 0.05, 0.05, -0.15]))
     assert layer.step_load.sum() == 0 and layer.step_dropped == 0

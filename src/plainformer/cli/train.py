@@ -416,7 +416,7 @@ def _shaped_for_this_machine(recipe: recipes.Recipe, train_given: Mapping[str, A
     gflops = matmul_rate(getattr(torch, dtype), seconds=0.3) / 1e9
     shape, shaped = recipe.shaped_for(gflops)
     return shaped, (f"shape: {shape.name} ({dtype} matmuls at {gflops:.0f} GFLOP/s on this machine; "
-                    f"{recipe.name!r} takes it from {shape.min_gflops:g} GFLOP/s)")
+                    f"{recipe.name!r} takes it {recipe.rates_taking(shape)})")
 
 
 def _resume(args: argparse.Namespace, out: Path, preset: str, recipe: recipes.Recipe, family: Family,

@@ -361,9 +361,3 @@ def mean_router_losses(layers: list[MoEFeedForward]) -> tuple[Tensor, Tensor]:
     """(mean_l L_aux, mean_l L_z) over the layers' last forward."""
     losses = [layer.aux_losses() for layer in layers]
     return (torch.stack([aux for aux, _ in losses]).mean(), torch.stack([z for _, z in losses]).mean())
-
-
-def update_router_biases(model: nn.Module) -> None:
-    """Call once after each optimizer step: every MoE layer's `update_bias()`."""
-    for layer in moe_layers(model):
-        layer.update_bias()
