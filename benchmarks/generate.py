@@ -49,7 +49,8 @@ import torch
 import transformers
 
 import plainformer as pf
-from plainformer.nn.prepack import prepack_supported
+from plainformer.inference.kernels import measure_kernels
+from plainformer.inference.prepack import prepack_supported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hf_gpt2 import gpt2_pair
@@ -110,6 +111,8 @@ def decoders(prompt: torch.Tensor) -> tuple[dict[str, Callable[[int], torch.Tens
     prepacked = {name: pf.prepack(copy.deepcopy(model)) for name, model in
                  (("ours prepacked (KV cache)", ours), ("ours bf16 prepacked (KV cache)", ours_bf16))
                  if prepack_supported(model.lm_head.weight.dtype)}
+    for model in (ours, ours_bf16):  # as `plainformer translate` decodes, and `sample` where prepacking is not had
+        measure_kernels(model)
     theirs_bf16 = copy.deepcopy(theirs).to(torch.bfloat16)
     mask = torch.ones_like(prompt)
 

@@ -17,6 +17,7 @@ LAYERS = [
     ("_checks", "config", "constants", "errors", "_version"),  # what every layer may use
     ("files",),  # atomic writes, the run lock, the JSON reader
     ("nn",),
+    ("inference",),  # decoding-time transforms of a built model's linear layers
     ("data",),
     ("generation",),
     ("checkpoint",),  # the format, below the models that load from it

@@ -27,6 +27,8 @@ from .hf.gpt import load_hf, save_hf
 from .hf.lora import load_lora, save_lora
 from .hf.sentence import SentenceEncoder
 from .hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
+from .inference.prepack import PackedLinear, prepack
+from .inference.quantize import Int8Linear, quantize
 from .models import (
     GPT,
     BertConfig,
@@ -50,8 +52,6 @@ from .nn.masks import causal_mask
 from .nn.moe import MoEFeedForward, load_balancing_loss, router_z_loss
 from .nn.normalization import RMSNorm
 from .nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from .nn.prepack import PackedLinear, prepack
-from .nn.quantize import Int8Linear, quantize
 from .nn.rope import RotaryEmbedding
 from .training.config import TrainConfig
 from .training.optim import lr_at, make_optimizer

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import plainformer.families.gpt as gpt_family
+import plainformer.inference as inference
 from plainformer.cli import main
-from plainformer.nn.prepack import prepack
+from plainformer.inference.prepack import prepack
 from tests.reference.runs import trained_run
 
 TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16",
@@ -96,7 +96,7 @@ def test_sample_decodes_on_prepacked_weights_on_the_cpu_unless_int8(capsys, run,
         heads.append(type(prepack(model).lm_head).__name__)
         return model
 
-    monkeypatch.setattr(gpt_family, "prepack", recording_prepack)  # what prepack_for_decoding calls
+    monkeypatch.setattr(inference, "prepack", recording_prepack)  # what for_decoding calls
     assert sample(capsys, run, "--prompt", "To be").startswith("To be")
     assert heads == ["PackedLinear"]
     sample(capsys, run, "--prompt", "To be", "--quantize", "int8")

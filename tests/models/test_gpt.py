@@ -12,6 +12,7 @@ import transformers
 import plainformer as pf
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
+from plainformer.inference.kernels import measure_kernels
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)
@@ -303,10 +304,10 @@ def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
 
 
 def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_leaves_onednn_alone():
-    """A batch-1 bf16 step runs on the kernel measured fastest for one row (see nn.linear): the
+    """A batch-1 bf16 step runs on the kernel measured fastest for one row (see inference.kernels): the
     logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
     relative to the largest logit), and no process-wide switch (oneDNN's) is touched."""
-    model = _gpt().to(torch.bfloat16)
+    model = measure_kernels(_gpt().to(torch.bfloat16))
     prompt = _tokens(1, 5)
     enabled = torch.backends.mkldnn.enabled
     tokens, logits = _decode(model.decoder(), prompt, 15, temperature=0)

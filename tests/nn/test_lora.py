@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from torch.nn import Linear
 
 import plainformer as pf
-from plainformer.nn.linear import Linear
 from plainformer.nn.lora import LoRALinear, adapter_state_names, lora_layers
 
 

@@ -17,7 +17,8 @@ import torch
 
 from plainformer.cli import main
 from plainformer.families.family import checkpoint_dir
-from plainformer.families.gpt import load_language_model, prepack_for_decoding
+from plainformer.families.gpt import load_language_model
+from plainformer.inference import for_decoding
 
 from .conftest import API_KEY
 
@@ -31,9 +32,9 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(run):
-    """The served model as the server decodes with it (prepacked on this CPU), in this process."""
+    """The served model as the server decodes with it (`for_decoding`), in this process."""
     model, tokenizer = load_language_model(checkpoint_dir(run))
-    prepack_for_decoding(model)
+    for_decoding(model)
     return model.eval(), tokenizer
 
 

@@ -71,7 +71,7 @@ DTYPE_HELP = "precision to compute in: float32 or bfloat16"
 
 
 QUANTIZE_HELP = ("int8: weight-only int8 (one fp32 scale per output row) on the fastest kernel this CPU has "
-                 "(nn/quantize.py); said on stderr when none beats fp32")
+                 "(inference/quantize.py); said on stderr when none beats fp32")
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ sample i of the batch uses seed `--seed` + i, so its text is that of `--seed SEE
 print in order, each with its prompt, separated by a `--separator` line. `--stop STRING` (repeatable)
 ends a sample where it first writes STRING, which is not printed.
 
-On the CPU the weights are laid out once for oneDNN before decoding (`nn.prepack`, ~0.5 s for GPT-2
+On the CPU the weights are laid out once for oneDNN before decoding (`inference.for_decoding`, ~0.5 s for GPT-2
 124M in fp32; 1.2x the tokens/s of the plain layout there), where this CPU's oneDNN takes their dtype.
 """
 
@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import load_language_model, prepack_for_decoding
+from ..families.gpt import load_language_model
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.stopping import StopStrings
+from ..inference import for_decoding
 from ..models.gpt import GPT
 from ..models.memory import check_memory, decoding_bytes, held_bytes
 from ..nn.lora import unload_lora
@@ -108,8 +109,7 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
     _check_memory(model, len(encoded) * args.num_samples, max(map(len, encoded)))
-    if args.quantize is None:
-        prepack_for_decoding(model)
+    for_decoding(model)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
     start = time.perf_counter()

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import load_language_model, prepack_for_decoding
+from ..families.gpt import load_language_model
+from ..inference import for_decoding
 from ..models.gpt import GPT
 from ..models.memory import check_memory, decoding_bytes, held_bytes
 from ..nn.lora import unload_lora
@@ -73,8 +74,7 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     model, _ = load_language_model(path, args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     _check_memory(model, args.max_batch)
-    if args.quantize is None:
-        prepack_for_decoding(model)
+    for_decoding(model)
     name = args.model_name or _default_name(args.ckpt)
     service = Service(model.eval(), name, max_batch=args.max_batch, max_queue=args.max_queue)
     host, port = sock.getsockname()[:2]

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..families.family import run_and_checkpoint
 from ..families.transformer import check_beam
+from ..inference.kernels import measure_kernels
 from ..models.transformer import Transformer
 from . import (
     add_max_memory_argument,
@@ -44,6 +45,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def run_translate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
+    measure_kernels(model)  # decoding's few-row products on the kernel measured fastest here
     lines = [args.text] if args.text is not None else stdin_lines()
     check_beam(model, args.beam, lines, BATCH_SIZE)
     start = time.perf_counter()

@@ -21,10 +21,9 @@ from ..data.tokenizers import Tokenizer
 from ..errors import UserError
 from ..hf.gguf import save_gguf
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
+from ..inference.quantize import quantize
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
-from ..nn.prepack import prepack, prepack_supported
-from ..nn.quantize import quantize
 from ..training.distributed import log
 from ..training.evaluation import validation_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, fit, refuse_non_model
@@ -120,7 +119,7 @@ def load_language_model(path: Path, dtype: str = "float32", quantized: str | Non
                         ) -> tuple[GPT, Tokenizer]:
     """The GPT of a checkpoint directory (a LoRA run's on its base), or of a Hugging Face GPT-2 / Llama /
     Mixtral directory, and the tokenizer saved with it, in `dtype` ("float32" or "bfloat16"), or
-    `quantized` ("int8": a LoRA run's adapter merged first; `nn.quantize`)."""
+    `quantized` ("int8": a LoRA run's adapter merged first; `inference.quantize`)."""
     refuse_non_model(path)
     model = load_hf(path) if is_hf_directory(path) else load_trained(load_checkpoint(path), GPT_FAMILY)
     if not isinstance(model, GPT):
@@ -136,14 +135,6 @@ def load_language_model(path: Path, dtype: str = "float32", quantized: str | Non
         except ValueError as error:
             raise UserError(f"--quantize {quantized}: {error}") from None
     return (model.to(torch.bfloat16) if dtype == "bfloat16" else model), model.tokenizer
-
-
-def prepack_for_decoding(model: GPT) -> None:
-    """On the CPU, lay the float weights out once for oneDNN (`nn.prepack`) where this CPU's oneDNN takes
-    their dtype: what `sample` and `serve` decode with (not an int8 model, which has kernels of its own)."""
-    weight = model.token_embedding.weight
-    if weight.device.type == "cpu" and prepack_supported(weight.dtype):
-        prepack(model)
 
 
 def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]

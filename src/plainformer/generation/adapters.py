@@ -44,8 +44,8 @@ class _Seq2SeqModel(Protocol):
 class GPTDecoder:
     """A GPT as `generation` drives it: model(idx, kv_caches) -> (logits (B, 1, V), None), the logits
     of the last position only, which is all that sampling reads: the output projection of the other
-    positions (a prompt's) is never computed. The head is the model's own (`nn.linear.Linear`, on the
-    kernel measured fastest for decoding's few rows, or an int8 layer with its own kernel).
+    positions (a prompt's) is never computed. The head is the model's own, as the commands that decode
+    left it (`inference.for_decoding`: prepacked, on the kernel measured fastest, or int8).
     """
 
     def __init__(self, model: _LanguageModel):

@@ -38,7 +38,6 @@ from ..nn.attention import BACKENDS, MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
-from ..nn.linear import Linear
 from ..nn.masks import AttentionMask, padded_positions_and_mask
 from ..nn.modes import eval_mode
 from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
@@ -205,7 +204,7 @@ class GPT(SavedModel):
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias,
                               validate_args=False)
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
         self.apply(self._init_weights)

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .linear import Linear
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
 
 if TYPE_CHECKING:
@@ -278,10 +277,10 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.dropout, self.backend = dropout, backend
-        self.W_q = Linear(d_model, n_heads * self.head_dim, bias=bias)
-        self.W_k = Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.W_v = Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.W_o = Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.W_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
 
     def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
         """(B, n, h·d_k) -> (B, h, n, d_k)."""
@@ -384,7 +383,7 @@ class MultiHeadAttention(nn.Module):
             _checks.check_floating(name, x)
             _checks.check_last_dim(name, x, self.d_model, "d_model")
         # dtypes may differ under autocast (a LayerNorm output in float32 meets a bf16 query)
-        weight = getattr(self.W_q, "weight", None)  # an int8 layer (nn/quantize.py) takes any float input
+        weight = getattr(self.W_q, "weight", None)  # an int8 layer (inference/quantize.py) takes any float input
         if weight is not None and not torch.is_autocast_enabled(query.device.type):
             for name, x in (("query", query), ("key", key), ("value", value)):
                 if x.dtype != weight.dtype:

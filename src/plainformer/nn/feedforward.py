@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .linear import Linear
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
@@ -39,9 +38,9 @@ class FeedForward(nn.Module):
             check_feedforward_args(d_ff, activation)
             _checks.check_probability("dropout", dropout)
         self.activation = activation
-        self.W_1 = Linear(d_model, d_ff, bias=bias)
-        self.W_3 = Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
-        self.W_2 = Linear(d_ff, d_model, bias=bias)
+        self.W_1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.W_3 = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.W_2 = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

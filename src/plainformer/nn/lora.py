@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import Config, checked, positive, positive_int, probability
-from .linear import Linear, linear
 
 #: The projections LoRA may adapt, by the name of their module: attention, feed-forward, the LM head.
 TARGETS = ("W_q", "W_k", "W_v", "W_o", "W_1", "W_2", "W_3", "lm_head")
@@ -66,7 +65,7 @@ class LoRAConfig(Config):
         super().__post_init__()
 
 
-class LoRALinear(Linear):
+class LoRALinear(nn.Linear):
     """y = x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ: x (..., d_in) -> (..., d_out). W and b are the adapted
     layer's own parameters (frozen by `add_lora`); `lora_A` (r, d_in) and `lora_B` (d_out, r) train."""
 
@@ -86,7 +85,7 @@ class LoRALinear(Linear):
         return self.scaling * (self.lora_B @ self.lora_A)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
         if self.merged:
             return y
         return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
@@ -159,7 +158,7 @@ def unload_lora(model: nn.Module) -> nn.Module:
     the model as Hugging Face or a state dict of the base names expects it. Returns `model`."""
     for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
         layer.merge()
-        plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
         plain.weight, plain.bias = layer.weight, layer.bias
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, plain)

@@ -1,4 +1,4 @@
-"""Tests for plainformer.nn.linear: x Wᵀ + b as torch.nn.Linear computes it, on every kernel decoding may use."""
+"""plainformer.inference.kernels: x Wᵀ + b as torch.nn.Linear computes it, on every kernel decoding may use."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plainformer.nn.linear import FEW_ROWS, KERNELS, Linear, kernel_for, linear
+from plainformer.inference.kernels import FEW_ROWS, KERNELS, MeasuredLinear, kernel_for, linear
 from tests.reference.torch_reference import assert_close
 
 
@@ -15,7 +15,7 @@ from tests.reference.torch_reference import assert_close
 def test_matches_torch_linear_in_float64(shape, bias):
     torch.manual_seed(0)
     theirs = nn.Linear(24, 10, bias=bias, dtype=torch.float64)
-    ours = Linear(24, 10, bias=bias, dtype=torch.float64)
+    ours = MeasuredLinear(24, 10, bias=bias, dtype=torch.float64)
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(*shape, dtype=torch.float64)
     assert_close(ours(x), theirs(x))
@@ -90,15 +90,33 @@ def test_many_rows_and_recorded_products_take_torch_linear():
 
 
 def test_state_dict_and_type_are_those_of_torch_linear():
-    layer = Linear(4, 3)
+    layer = MeasuredLinear(4, 3)
     assert isinstance(layer, nn.Linear)
     assert set(layer.state_dict()) == {"weight", "bias"}
 
 
 def test_gradients_flow_through_a_one_row_product():
     torch.manual_seed(0)
-    layer = Linear(8, 4).to(torch.bfloat16)
+    layer = MeasuredLinear(8, 4).to(torch.bfloat16)
     x = torch.randn(1, 8, dtype=torch.bfloat16, requires_grad=True)
     layer(x).sum().backward()
     expected = layer.weight.double().sum(dim=0)  # d(sum of outputs)/dx = the column sums of W
     assert (x.grad.double() - expected).abs().max() <= 2 * 2**-8 * expected.abs().max()
+
+
+def test_measure_kernels_swaps_every_linear_sharing_its_weights():
+    import plainformer as pf
+    from plainformer.inference.kernels import measure_kernels
+
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(vocab_size=20, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32)).eval()
+    idx = torch.randint(0, 20, (1, 6))
+    state = model.state_dict()
+    with torch.no_grad():
+        before = model(idx)[0]
+        measure_kernels(model)
+        after = model(idx)[0]
+    assert all(type(m) is MeasuredLinear for m in model.modules() if isinstance(m, nn.Linear))
+    assert model.lm_head.weight is model.token_embedding.weight  # still tied
+    assert model.state_dict().keys() == state.keys()
+    assert_close(after, before)

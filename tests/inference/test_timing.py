@@ -1,4 +1,4 @@
-"""Tests for plainformer.nn.timing: the fastest of several candidates, measured."""
+"""Tests for plainformer.inference.timing: the fastest of several candidates, measured."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from plainformer.nn.timing import fastest
+from plainformer.inference.timing import fastest
 
 
 def test_the_candidate_that_takes_less_time_is_chosen():

@@ -1,4 +1,4 @@
-"""Tests for plainformer.nn.prepack: linear layers on weights reordered for oneDNN, against float64."""
+"""Tests for plainformer.inference.prepack: linear layers on weights reordered for oneDNN, against float64."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import plainformer as pf
-from plainformer.nn.prepack import PackedLinear, prepack, prepack_supported
+from plainformer.inference.prepack import PackedLinear, prepack, prepack_supported
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import plainformer as pf
-from plainformer.nn import quantize as quantize_module
-from plainformer.nn.quantize import Int8Linear, quantize_rows
+from plainformer.inference import quantize as quantize_module
+from plainformer.inference.quantize import Int8Linear, quantize_rows
 
 FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 

@@ -18,8 +18,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from .linear import linear_layers, replace_linears
-from .lora import refuse_lora_layers
+from ..nn.lora import refuse_lora_layers
+from .layers import linear_layers, replace_linears
 
 #: Rows the blocked layout is chosen for (oneDNN's hint): the few rows of decoding. Any number of
 #: rows computes the same product; even for one row this layout was faster than the one for 1 row

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..nn.lora import refuse_lora_layers
+from .layers import replace_linears
 from .timing import fastest
 
 #: The products with this many rows or fewer (x.numel() / d_in) run on the measured kernel.
@@ -93,21 +95,21 @@ def _fastest(dtype: torch.dtype, rows: int) -> str:
     return fastest(candidates)[0]
 
 
-def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """(name, layer) for every `nn.Linear` of `model` (ours included), in module order."""
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+class MeasuredLinear(nn.Linear):
+    """`torch.nn.Linear` (the same parameters, shared with the layer it replaces) computed by `linear`."""
 
-
-def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
-    """Every `nn.Linear` of `model` swapped for make(layer), in place (int8 and prepacked layers); -> model."""
-    for name, layer in linear_layers(model):
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, make(layer))
-    return model
-
-
-class Linear(nn.Linear):
-    """`torch.nn.Linear` (same parameters, same state dict) computed by `linear`."""
+    @classmethod
+    def replacing(cls, layer: nn.Linear) -> MeasuredLinear:
+        measured = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        measured.weight, measured.bias = layer.weight, layer.bias
+        return measured
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def measure_kernels(model: nn.Module) -> nn.Module:
+    """Every `nn.Linear` of `model` computed on the kernel measured fastest for decoding (in place;
+    the weights are shared, so the state dict and any tied weights stay as they are) -> model."""
+    refuse_lora_layers(model)
+    return replace_linears(model, MeasuredLinear.replacing)

@@ -1,0 +1,20 @@
+"""The linear layers of a model, and the one way a decoding-time transform swaps them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) for every `nn.Linear` of `model` (ours included), in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Every `nn.Linear` of `model` swapped for make(layer), in place (int8 and prepacked layers); -> model."""
+    for name, layer in linear_layers(model):
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, make(layer))
+    return model
