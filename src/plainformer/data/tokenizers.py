@@ -39,25 +39,13 @@ from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 
 FORMAT_VERSION = 1
-
-
 TOKENIZER_FILE = "tokenizer.json"
-
-
 SIDE_FILE = "plainformer_tokenizer.json"
-
-
 # The chat template a Hugging Face base came with (jinja2, as transformers renders it), kept beside the
 # tokenizer under the name transformers gives it; it changes no id, so no fingerprint reads it.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-
-
 SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask", "bos", "eos")
-
-
 TRAINING_CHUNK_CHARS = 1 << 16  # small pieces let Hugging Face trainers count words in parallel
-
-
 BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 
 
