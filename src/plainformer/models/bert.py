@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..config import Config, one_of, positive, positive_int, probability
 from ..constants import IGNORE_INDEX
+from ..data.tokenizers import Tokenizer
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.dtypes import at_least_float32
@@ -34,9 +35,6 @@ from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
 from .memory import check_model_memory
 from .saved import SavedModel
-
-if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
-    from ..data.tokenizers import Tokenizer
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..config import Config, greater_than, non_negative, non_negative_int, one_of, positive, positive_int, probability
 from ..constants import IGNORE_INDEX
+from ..data.tokenizers import Tokenizer
 from ..generation.adapters import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
 from ..generation.decoding import generate_padded, pad_prompts
@@ -46,9 +47,6 @@ from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEnco
 from ..nn.rope import RotaryEmbedding, Rotation
 from .memory import check_model_memory
 from .saved import SavedModel
-
-if TYPE_CHECKING:  # annotations only: data/ imports models/, so a runtime import would cycle
-    from ..data.tokenizers import Tokenizer
 
 POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
 
