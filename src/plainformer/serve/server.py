@@ -12,6 +12,7 @@ returns (a stop asked for is a clean exit); a second signal stops waiting for wh
 
 from __future__ import annotations
 
+import contextvars
 import signal
 import socket
 import threading
@@ -50,7 +51,8 @@ def run(app: Any, sock: socket.socket, batcher: ContinuousBatcher, *, grace_s: i
         server.should_exit = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http = threading.Thread(target=serve_http, name="plainformer-http")
+    # in this thread's context: what it set (`--max-memory`'s limit) holds for the requests' checks too
+    http = threading.Thread(target=contextvars.copy_context().run, args=(serve_http,), name="plainformer-http")
     http.start()
     try:
         batcher.run()
