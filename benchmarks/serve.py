@@ -31,7 +31,7 @@ import torch
 
 from _hf_gpt2 import gpt2_pair
 from plainformer.data.tokenizers import BPETokenizer
-from plainformer.hf.gpt import save_hf
+from plainformer.hf.auto import save_hf
 from plainformer.hf.tokenizer_files import load_hf_tokenizer
 
 GPT2 = dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, block_size=1024)

@@ -12,7 +12,7 @@ from .. import families
 from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
 from ..families.family import refuse_non_model, run_and_checkpoint
-from ..hf.gpt import is_hf_directory
+from ..hf.directory import is_hf_directory
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,

@@ -29,8 +29,8 @@ from ..checkpoint.format import load_checkpoint
 from ..data.tokenizers import Tokenizer
 from ..families.family import Family, checkpoint_dir
 from ..files.atomic import atomic_path
+from ..hf.directory import read_hf_config
 from ..hf.gguf import GGUF_TYPES
-from ..hf.gpt import read_hf_config
 from ..hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_peft_names, save_lora
 from ..models.attention_html import DECIMALS, PROBABILITY_DECIMALS, attention_html, token_labels
 from ..models.attention_maps import attention_maps, plot_attention_maps

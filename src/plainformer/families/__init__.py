@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from ..checkpoint.format import load_checkpoint
-from ..hf.gpt import is_hf_directory, load_hf
+from ..hf.auto import load_hf
+from ..hf.directory import is_hf_directory
 from ..models.saved import SavedModel
 from .bert import BERT_CLS_FAMILY, BERT_FAMILY, BERT_MLM_FAMILY
 from .family import Family, checkpoint_dir, refuse_non_model

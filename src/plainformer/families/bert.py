@@ -19,8 +19,8 @@ from ..data.lm import build_tokenizer
 from ..data.mlm import MLMBatchSource, encode_stream
 from ..data.tokenizers import WordPieceTokenizer
 from ..errors import UserError
+from ..hf.auto import save_hf
 from ..hf.bert import MINILM_NAME
-from ..hf.gpt import save_hf
 from ..hf.sentence import load_bert
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..training.config import TrainConfig

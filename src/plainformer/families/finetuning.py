@@ -22,7 +22,7 @@ from ..checkpoint.format import Checkpoint, CheckpointError, load_checkpoint
 from ..errors import UserError
 from ..files.digest import directory_sha256
 from ..hf.bert import MINILM_NAME, minilm_path
-from ..hf.gpt import is_hf_directory, read_hf_config
+from ..hf.directory import is_hf_directory, read_hf_config
 from ..models.saved import SavedModel
 from ..nn.lora import LoRAConfig, adapter_state_names, add_lora
 from .family import LORA_OPTIONS, Family, Run, checkpoint_dir

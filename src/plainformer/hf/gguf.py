@@ -1,7 +1,7 @@
 """GGUF files, which llama.cpp runs (`llama-cli -m FILE.gguf`, and Ollama, LM Studio built on it):
 `save_gguf(model, path, dtype="f32" | "f16" | "q8_0")`, written with the `gguf` package's `GGUFWriter`.
 
-A GPT goes out in the layout it has on Hugging Face (`hf.gpt`): the tensors are `state_to_hf`'s, named
+A GPT goes out in the layout it has on Hugging Face (`hf.gpt_layouts`): the tensors are `state_to_hf`'s, named
 as llama.cpp names them (`gguf.get_tensor_name_map`), in nn.Linear's (out, in) order:
 
     plainformer GPT        Hugging Face                       GGUF (general.architecture = gpt2 | llama)
@@ -47,7 +47,8 @@ from .. import _checks
 from ..data.tokenizers import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer
 from ..files.atomic import atomic_path
 from ..models.gpt import GPT, GPTConfig
-from .gpt import GPT2, LLAMA, MIXTRAL, Layout, exported_state, layout_for, state_to_hf, weight_map
+from .gpt import exported_state, state_to_hf, weight_map
+from .gpt_layouts import GPT2, LLAMA, MIXTRAL, Layout, layout_for
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 _ARCHITECTURES = {GPT2.model_type: "gpt2", LLAMA.model_type: "llama", MIXTRAL.model_type: "llama"}

@@ -24,7 +24,8 @@ from ..models.bert import BertModel
 from ..models.gpt import GPT
 from ..nn.lora import LoRALinear, add_lora
 from .bert import bert_name_map
-from .gpt import LLAMA, MIXTRAL, layout_for, weight_map
+from .gpt import weight_map
+from .gpt_layouts import LLAMA, MIXTRAL, layout_for
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

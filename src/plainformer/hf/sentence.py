@@ -26,11 +26,11 @@ from ..data.tokenizers import WordPieceTokenizer
 from ..files.json_file import read_json_object
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .bert import (
-    HF_CONFIG,
     load_hf_bert,
     load_hf_bert_tokenizer,
     resolve_bert_path,
 )
+from .directory import HF_CONFIG
 
 # sentence-transformers' files next to a Hugging Face model: its maximum length and its pooling.
 ST_CONFIG = "sentence_bert_config.json"
