@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import plainformer as pf
+from plainformer import memory as machine_memory
 from plainformer.checkpoint import format as checkpoint
 from plainformer.checkpoint.format import load_checkpoint
 from plainformer.cli import main
@@ -755,7 +756,7 @@ SIZES_CHILD = r"""
 import contextlib, io, json, resource, sys
 import plainformer as pf
 from plainformer.cli import main
-from plainformer.models.memory import _meminfo
+from plainformer.memory import _meminfo
 _, hard = resource.getrlimit(resource.RLIMIT_AS)
 cap = _meminfo("/proc/self/status", "VmSize") + 2 * 2**30
 resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
@@ -887,7 +888,7 @@ def test_a_size_too_big_for_the_memory_is_one_line_before_memory_is_spent(case, 
 
 
 def test_max_memory_lets_a_run_that_the_machine_would_refuse_proceed(capsys, tmp_path, corpus, cache, monkeypatch):
-    monkeypatch.setattr(memory, "_machine_available", lambda: 10_000)  # a machine with 10 kB to spare
+    monkeypatch.setattr(machine_memory, "_machine_available", lambda: 10_000)  # a machine with 10 kB to spare
     argv = ["train", "--data", corpus, "--out", tmp_path / "run", "--max-steps", "1", *TINY_GPT]
     assert_one_error_line(*run_cli(capsys, *argv), r"training needs ~[\d.]+ kB .*, more than the 10\.0 kB "
                                                    r"available \(--max-memory SIZE to allow more\)$")

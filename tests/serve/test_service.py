@@ -11,7 +11,7 @@ import torch
 
 import plainformer as pf
 from plainformer.data.tokenizers import CharTokenizer
-from plainformer.models.memory import memory_limit
+from plainformer.memory import memory_limit
 from plainformer.serve.app import create_app
 from plainformer.serve.protocol import APIError
 from plainformer.serve.service import Service

@@ -30,7 +30,7 @@ from .. import _checks
 from .._version import __version__
 from ..config import Config
 from ..errors import UserError
-from ..models.memory import MemoryBudgetError, memory_limit, parse_size
+from ..memory import MemoryBudgetError, memory_limit, parse_size
 from ..training.distributed import is_main_process, log, run_torchrun
 from ..training.trainer import TrainingInterrupted
 

@@ -26,8 +26,9 @@ from ..families.gpt import load_language_model
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.stopping import StopStrings
 from ..inference import for_decoding
-from ..models.gpt import GPT
-from ..models.memory import check_memory, decoding_bytes, held_bytes
+from ..memory import check_memory
+from ..models.gpt import GPT, decoding_bytes
+from ..models.memory import held_bytes
 from ..nn.lora import unload_lora
 from . import (
     QUANTIZE_HELP,

@@ -19,8 +19,9 @@ from typing import Any
 from ..families.family import checkpoint_dir
 from ..families.gpt import load_language_model
 from ..inference import for_decoding
-from ..models.gpt import GPT
-from ..models.memory import check_memory, decoding_bytes, held_bytes
+from ..memory import check_memory
+from ..models.gpt import GPT, decoding_bytes
+from ..models.memory import held_bytes
 from ..nn.lora import unload_lora
 from ..training.distributed import log
 from . import QUANTIZE_HELP, UserError, add_dtype_argument, add_max_memory_argument, positive_int

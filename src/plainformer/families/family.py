@@ -23,7 +23,8 @@ from ..config import Config
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..hf.directory import is_hf_directory
-from ..models.memory import check_memory, context_length, forward_bytes, held_bytes, training_bytes
+from ..memory import check_memory
+from ..models.memory import context_length, forward_bytes, held_bytes, training_bytes
 from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
 from ..training.distributed import log

@@ -16,15 +16,9 @@ import torch
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
-from ..models.memory import (
-    MemoryBudgetError,
-    available_phrase,
-    beam_search_bytes,
-    format_size,
-    held_bytes,
-    largest_beam,
-)
-from ..models.transformer import Transformer, TransformerConfig
+from ..memory import MemoryBudgetError, available_phrase, format_size
+from ..models.memory import held_bytes
+from ..models.transformer import Transformer, TransformerConfig, beam_search_bytes, largest_beam
 from ..training.distributed import log
 from ..training.evaluation import score_translations
 from .family import Family, Run, fit

@@ -16,8 +16,9 @@ The config is checked when it is built; the modules built from it check nothing 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,10 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
-from .memory import check_model_memory
-from .saved import SavedModel
+from .activations import FLOAT32, layer_activations
+from .saved import SavedModel, unchecked
+
+MLM_SELECTED = 0.15  # the share of positions a masked LM scores (data/mlm.py)
 
 
 @dataclasses.dataclass
@@ -125,11 +128,14 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
-def _check_config(config: object, family: str) -> BertConfig:
-    """A BertConfig whose model of `family` fits the memory available, checked before it is built."""
-    _checks.check_type("config", config, BertConfig)
-    check_model_memory(config, family)
-    return cast(BertConfig, config)
+def _one_layer_deep(cls: type[SavedModel], config: BertConfig) -> tuple[BertConfig, dict[str, int]]:
+    """BERT's `shallow`: one layer, counted n_layers times."""
+    return unchecked(config, n_layers=1), {"layers.0": config.n_layers}
+
+
+def _encoder_activations(config: BertConfig, batch_size: int, n: int) -> int:
+    """Elements the encoder keeps for a micro-batch: its layers', the embeddings' and the pooler's."""
+    return batch_size * n * (config.n_layers * layer_activations(config, n) + 3 * config.d_model)
 
 
 def bert_layer(config: BertConfig) -> EncoderLayer:
@@ -149,15 +155,20 @@ class BertModel(SavedModel):
 
     family = "bert"
     config_class = BertConfig
+    config: BertConfig
     tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
+    shallow = classmethod(_one_layer_deep)
 
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = _check_config(config, self.family)
+        super().__init__(config)  # checked, and its bytes, before anything is allocated
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(bert_layer(config) for _ in range(config.n_layers))
         self.pooler = BertPooler(config.d_model)
         self.apply(lambda module: init_bert_weights(module, config.init_std))
+
+    @classmethod
+    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
+        return FLOAT32 * _encoder_activations(config, batch_size, n)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> BertOutput:
@@ -222,14 +233,27 @@ class BertForMaskedLM(SavedModel):
 
     family = "bert-mlm"
     config_class = BertConfig
+    config: BertConfig
     tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
+    shallow = classmethod(_one_layer_deep)
 
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = _check_config(config, self.family)
+        super().__init__(config)
         self.bert = BertModel(config)
         self.head = BertMLMHead(config)
         self.head.apply(lambda module: init_bert_weights(module, config.init_std))
+
+    @classmethod
+    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
+        """The encoder's, and the head's over the 15% of positions selected: its input, hidden state and
+        norm, the logits, their log-softmax and their gradient."""
+        selected = math.ceil(MLM_SELECTED * batch_size * n)
+        return FLOAT32 * (_encoder_activations(config, batch_size, n)
+                          + selected * (3 * config.d_model + 3 * config.vocab_size))
+
+    @classmethod
+    def output_vocab(cls, config: BertConfig) -> int:
+        return config.vocab_size
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None,
@@ -255,15 +279,22 @@ class BertForSequenceClassification(SavedModel):
 
     family = "bert-cls"
     config_class = BertConfig
+    config: BertConfig
     tokenizer: Tokenizer | None  # set by from_checkpoint and load_hf
+    shallow = classmethod(_one_layer_deep)
 
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = _check_config(config, self.family)
+        super().__init__(config)
         self.bert = BertModel(config)
         self.dropout = nn.Dropout(config.dropout)
         self.classifier = nn.Linear(config.d_model, config.n_labels)
         init_bert_weights(self.classifier, config.init_std)
+
+    @classmethod
+    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
+        """The encoder's, and the classifier's over the pooled rows."""
+        return FLOAT32 * (_encoder_activations(config, batch_size, n)
+                          + batch_size * (2 * config.d_model + 3 * config.n_labels))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None,

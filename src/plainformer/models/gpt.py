@@ -45,8 +45,9 @@ from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
 from ..nn.normalization import NORMS, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.rope import RotaryEmbedding, Rotation
-from .memory import check_model_memory
-from .saved import SavedModel
+from .activations import FLOAT32, forward_pass, hidden, kv_width, layer_activations
+from .activations import dropout as dropout_bytes
+from .saved import SavedModel, itemsize, unchecked
 
 POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
 
@@ -181,19 +182,42 @@ def _feed_forward(config: GPTConfig, layer_index: int) -> nn.Module:
     return FeedForward(c.d_model, c.d_ff, c.activation, c.dropout, bias=c.bias, validate_args=False)
 
 
+def moe_layer_count(config: GPTConfig) -> int:
+    """How many of the blocks `GPTConfig.is_moe_layer` makes MoE, counted without a loop."""
+    if not config.n_experts or config.n_layers <= config.first_dense_layers:
+        return 0
+    return -(-(config.n_layers - config.first_dense_layers) // config.moe_every)
+
+
+def _moe_activations(c: GPTConfig, keys: int) -> int:
+    """Elements kept per token by a MoE layer: a dense layer's, but top_k experts' inputs, hidden states
+    and outputs for the FFN's, and the router's logits (models/activations.py)."""
+    shared = c.n_shared_experts * c.d_ff
+    experts = c.top_k * (2 * c.d_model + hidden("swiglu", c.d_ff)) + hidden("swiglu", shared)
+    return (layer_activations(c, keys) - hidden(c.activation, c.d_ff) - dropout_bytes(c, c.d_ff) + experts
+            + dropout_bytes(c, shared) + 2 * c.n_experts)
+
+
+def decoding_bytes(config: GPTConfig, rows: int, prompt_len: int, dtype: torch.dtype = torch.float32) -> int:
+    """The bytes beyond the model's own of sampling `rows` rows from a GPT in `dtype` at once: a KV cache
+    of block_size positions per layer and row, the prompt's forward pass (the logits of its last
+    position only) and the float32 logits of each step."""
+    c, size = config, itemsize(dtype)
+    caches = c.n_layers * 2 * kv_width(c) * c.block_size * size
+    prompt = forward_pass(c, 1, min(prompt_len, c.block_size), size, 0)
+    return rows * (caches + prompt + FLOAT32 * 3 * c.vocab_size)
+
+
 class GPT(SavedModel):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
     family = "gpt"
     config_class = GPTConfig
+    config: GPTConfig
     tokenizer: Tokenizer | None
 
     def __init__(self, config: GPTConfig):
-        super().__init__()
-        _checks.check_type("config", config, GPTConfig)
-        check_model_memory(config, self.family)  # before anything is allocated
-        self.config = config
-        self.tokenizer = None  # set by from_checkpoint
+        super().__init__(config)  # checked, and its bytes, before anything is allocated
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position = self._make_position_encoding(config)
         self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, validate_args=False)
@@ -210,6 +234,28 @@ class GPT(SavedModel):
         for block in cast(Iterable[Block], self.blocks):
             for weight in block.residual_projections():
                 nn.init.normal_(weight, std=residual_std)
+
+    @classmethod
+    def shallow(cls, config: GPTConfig) -> tuple[GPTConfig, dict[str, int]]:
+        """One dense block and one MoE block (where there are both), each counted as many times as there
+        are of its kind."""
+        n, moe = config.n_layers, moe_layer_count(config)
+        if moe in (0, n):
+            return unchecked(config, n_layers=1, first_dense_layers=0 if moe else config.first_dense_layers,
+                             moe_every=1), {"blocks.0": n}
+        return (unchecked(config, n_layers=2, first_dense_layers=1, moe_every=1),
+                {"blocks.0": n - moe, "blocks.1": moe})
+
+    @classmethod
+    def activation_bytes(cls, config: GPTConfig, batch_size: int, n: int) -> int:
+        c, moe = config, moe_layer_count(config)
+        per_token = ((c.n_layers - moe) * layer_activations(c, n) + moe * _moe_activations(c, n)
+                     + 3 * c.d_model + 3 * c.vocab_size)
+        return FLOAT32 * batch_size * n * per_token
+
+    @classmethod
+    def output_vocab(cls, config: GPTConfig) -> int:
+        return config.vocab_size
 
     @staticmethod
     def _make_position_encoding(config: GPTConfig) -> nn.Module | None:

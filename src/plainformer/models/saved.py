@@ -1,18 +1,116 @@
-"""What every model family's class shares: `from_checkpoint`, which builds the model from the config a
-checkpoint saved and loads its weights, checked against the family the checkpoint names and, before
-anything is built, against the number of values its weights file holds."""
+"""What every model family's class shares.
+
+- The constructor's opening, `SavedModel.__init__(config)`: the config's type checked, the model's
+  bytes checked against the memory available before anything is allocated, `config` and `tokenizer` set.
+- What a model of a config holds, counted, not restated: `footprint(config)` builds the model on the
+  meta device (no memory) and counts its parameters and buffers, each tensor once (a tied head is the
+  embedding). A stack of identical layers is built one layer deep and counted as many times as it is
+  deep (`shallow`), so that a config of n_layers=10**6 is counted, and refused, at once:
+
+      bytes = P · s + buffers + N_tensors · 2 kB         s = the bytes of an element (4 in float32)
+
+  2 kB per tensor is what the Python objects of a tiny tensor and its module measured (about 2.7 kB),
+  which is what a 100,000-layer model of tiny widths mostly costs. Building briefly holds a little more:
+  the float64 tables the positional buffers are computed from, an output projection before it is tied.
+- `from_checkpoint`, which builds the model from the config a checkpoint saved and loads its weights,
+  checked against the family the checkpoint names and, before anything is built, against the number
+  of values its weights file holds.
+
+Every class that names a `family` is found by it (`model_class`): a new family adds no line here.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
 
+from .. import _checks
 from ..checkpoint.format import CONFIG, MODEL, Checkpoint, CheckpointError, load_checkpoint
 from ..config import Config
-from .memory import parameter_count
+from ..memory import check_memory
+
+TENSOR_OVERHEAD = 2048  # bytes per tensor beyond its elements: the Python objects (see the docstring)
+
+_CLASSES: dict[str, type[SavedModel]] = {}  # family name -> its class, in the order they are defined
+
+
+@dataclasses.dataclass
+class Footprint:
+    """What a model holds: its parameters (each counted once), those of them that are the 2-D weights of
+    linear layers inside the blocks (what Muon trains), its tensors (parameters and buffers) and the
+    bytes of its buffers."""
+
+    parameters: int = 0
+    block_matrices: int = 0
+    tensors: int = 0
+    buffer_bytes: int = 0
+
+
+def block_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The hidden matrices Muon trains: 2-D weights of nn.Linear modules that sit inside an
+    nn.ModuleList (the blocks), never an embedding (so not a head tied to one)."""
+    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)  # and, later, the ones taken
+            for p in m.parameters(recurse=False)}
+    hidden = []
+    for stack in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+        for linear in (m for m in stack.modules() if isinstance(m, nn.Linear)):
+            p = linear.weight
+            if p.requires_grad and p.ndim == 2 and id(p) not in skip:
+                skip.add(id(p))
+                hidden.append(p)
+    return hidden
+
+
+def count(model: nn.Module, times: Mapping[str, int] | None = None) -> Footprint:
+    """What `model` holds, each tensor once; the tensors of a submodule named in `times` ("blocks.0",
+    at any depth: "layers.0" is "bert.layers.0" too) count `times[name]` times."""
+    times = times or {}
+    hidden = {id(p) for p in block_matrices(model)}
+    found = Footprint()
+    seen: set[int] = set()
+    named: list[tuple[str, torch.Tensor, bool]] = [(name, t, False) for name, t in model.named_parameters()]
+    named += [(name, t, True) for name, t in model.named_buffers()]
+    for name, tensor, is_buffer in named:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        copies = next((n for key, n in times.items() if f".{key}." in f".{name}"), 1)
+        found.tensors += copies
+        if is_buffer:
+            found.buffer_bytes += copies * tensor.numel() * tensor.element_size()
+        else:
+            found.parameters += copies * tensor.numel()
+            found.block_matrices += copies * tensor.numel() if id(tensor) in hidden else 0
+    return found
+
+
+def unchecked(config: Any, **changes: Any) -> Any:
+    """A copy of `config` with `changes`, not validated again (a shallow stack of a deep config's layers)."""
+    changed = copy.copy(config)
+    for name, value in changes.items():
+        setattr(changed, name, value)
+    return changed
+
+
+def model_class(config: Any, family: str | None = None) -> type[SavedModel]:
+    """The class of `family` (default: the first class defined for the config's type, BertModel for a
+    BertConfig); a ValueError naming the families when there is none."""
+    if family is None:
+        family = next((name for name, cls in _CLASSES.items() if cls.config_class is type(config)), None)
+    if family not in _CLASSES:
+        raise ValueError(f"family must be one of {', '.join(_CLASSES)} for a {type(config).__name__}, "
+                         f"got {family!r}")
+    return _CLASSES[family]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 class SavedModel(nn.Module):
@@ -21,6 +119,65 @@ class SavedModel(nn.Module):
     family: ClassVar[str]
     config_class: ClassVar[type[Config]]
     tokenizer: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            _CLASSES.setdefault(cls.family, cls)
+
+    def __init__(self, config: Config):
+        """Checks `config` (its type, and that the model fits the memory available, before anything is
+        allocated: not on the meta device, where nothing is) and keeps it; `tokenizer` is None until
+        from_checkpoint or load_hf sets it."""
+        super().__init__()
+        _checks.check_type("config", config, self.config_class)
+        if torch.get_default_device().type != "meta":
+            check_memory("the model needs ~{needed} for its parameters and buffers", type(self).model_bytes, config)
+        self.config = config
+        self.tokenizer = None
+
+    @classmethod
+    def shallow(cls, config: Any) -> tuple[Any, dict[str, int]]:
+        """A config whose model holds what `config`'s does with its stacks one layer deep, and how many
+        times each such layer counts ({"blocks.0": n_layers}); by default `config` itself, counted whole.
+        A family whose stacks can be deep says how."""
+        return config, {}
+
+    @classmethod
+    def footprint(cls, config: Any) -> Footprint:
+        """What the model of `config` holds, counted on the meta device. A vocabulary size of 0 (one the
+        data decides, not known yet) is no model to build: what it holds is affine in that size, so it
+        is counted at two sizes a and 2a past every special id, f(0) = 2 f(a) - f(2a)."""
+        unknown = [f.name for f in dataclasses.fields(config)
+                   if f.name.endswith("vocab_size") and getattr(config, f.name) == 0]
+        if unknown:
+            ids = (getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("_id"))
+            a = 1 + max((i for i in ids if _checks.is_int(i)), default=0)
+            one, two = (dataclasses.astuple(cls.footprint(unchecked(config, **dict.fromkeys(unknown, k * a))))
+                        for k in (1, 2))
+            return Footprint(*(2 * x - y for x, y in zip(one, two, strict=True)))
+        built, times = cls.shallow(config)
+        with torch.device("meta"):
+            model = cls(built)
+        return count(model, times)
+
+    @classmethod
+    def model_bytes(cls, config: Any, dtype: torch.dtype = torch.float32) -> int:
+        """The bytes of the model of `config` with its parameters in `dtype`: parameters, buffers (as
+        built) and the per-tensor overhead."""
+        f = cls.footprint(config)
+        return f.parameters * itemsize(dtype) + f.buffer_bytes + f.tensors * TENSOR_OVERHEAD
+
+    @classmethod
+    def activation_bytes(cls, config: Any, batch_size: int, n: int) -> int:
+        """The bytes autograd keeps for one training micro-batch of `batch_size` rows of `n` tokens, in
+        float32 (models/activations.py)."""
+        raise NotImplementedError(f"{cls.__name__} does not estimate its activations")
+
+    @classmethod
+    def output_vocab(cls, config: Any) -> int:
+        """The width of the logits the model scores every position with (0: a pooled head, or none)."""
+        return 0
 
     @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> Self:
@@ -50,7 +207,7 @@ def check_stored_parameters(checkpoint: Checkpoint, config: Config) -> None:
     checked."""
     if checkpoint.adapter is not None:
         return
-    needed = parameter_count(config, checkpoint.family)
+    needed = model_class(config, checkpoint.family).footprint(config).parameters
     stored = sum(t.numel() for t in {id(t): t for t in checkpoint.state_dict.values()}.values())  # tied once
     if needed > stored:
         raise CheckpointError(f"{checkpoint.path / CONFIG} describes a model of {needed:,} parameters but "

@@ -28,8 +28,9 @@ from ..generation.batching import (
     Token,
 )
 from ..generation.stopping import StopStrings
+from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
-from ..models.memory import MemoryBudgetError, check_memory, forward_bytes
+from ..models.memory import forward_bytes
 from .choices import Choice
 from .protocol import APIError, Decoding
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from ..models.saved import block_matrices
 from .config import TrainConfig
 from .precision import native_bf16
 
@@ -68,17 +69,9 @@ def parameter_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The hidden matrices Muon trains: 2-D weights of nn.Linear modules that sit inside an
-    nn.ModuleList (the blocks), never an embedding (so not a head tied to one)."""
-    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)  # and, later, the ones taken
-            for p in m.parameters(recurse=False)}
-    hidden = []
-    for stack in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
-        for linear in (m for m in stack.modules() if isinstance(m, nn.Linear)):
-            p = linear.weight
-            if p.requires_grad and p.ndim == 2 and id(p) not in skip:
-                skip.add(id(p))
-                hidden.append(p)
-    return hidden
+    nn.ModuleList (the blocks), never an embedding (so not a head tied to one): `block_matrices`, which
+    the memory estimates count."""
+    return block_matrices(model)
 
 
 def _adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
