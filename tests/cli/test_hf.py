@@ -16,9 +16,9 @@ import transformers
 from PIL import Image
 
 import plainformer as pf
-from plainformer.cli import hf as cli_hf
+from plainformer.cli import attention as cli_attention
 from plainformer.cli import main
-from plainformer.cli import train as cli_train
+from plainformer.families import resolve as families_resolve
 from plainformer.models.attention_maps import attention_maps, figure_size, visible
 
 TOLERANCE = 1e-4  # fp32 logits
@@ -37,7 +37,7 @@ def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLAINFORMER_CACHE", str(out / "cache"))
-        patch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 1e15)  # its 4 x 256 shape on any machine
+        patch.setattr(families_resolve, "matmul_rate", lambda dtype, seconds: 1e15)  # its 4 x 256 shape on any machine
         assert main(["train", "--preset", "default", "--out", str(out), "--max-steps", "3", "--batch-size", "2",
                      "--eval-batches", "1", "--no-progress"]) == 0
     return out
@@ -83,13 +83,13 @@ def _reference_gpt_weights(model: pf.GPT, ids: list[int]) -> torch.Tensor:
 
 def _capture_plotted(monkeypatch) -> list:
     plotted = []
-    real = cli_hf.plot_attention_maps
+    real = cli_attention.plot_attention_maps
 
     def spy(weights, path, **labels):
         plotted.append((weights, labels))
         return real(weights, path, **labels)
 
-    monkeypatch.setattr(cli_hf, "plot_attention_maps", spy)
+    monkeypatch.setattr(cli_attention, "plot_attention_maps", spy)
     return plotted
 
 

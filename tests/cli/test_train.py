@@ -11,8 +11,8 @@ import yaml
 
 from plainformer import recipes
 from plainformer.cli import UserError, build_parser
-from plainformer.cli import train as cli_train
 from plainformer.cli.train import read_config_file, resolve
+from plainformer.families import resolve as families_resolve
 
 FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape's threshold but the last
 
@@ -27,7 +27,7 @@ def probe(monkeypatch):
         rates.append(measured[0])
         return measured[0]
 
-    monkeypatch.setattr(cli_train, "matmul_rate", matmul_rate)
+    monkeypatch.setattr(families_resolve, "matmul_rate", matmul_rate)
     return measured, rates
 
 
