@@ -230,5 +230,5 @@ def run_train(args: argparse.Namespace, default_preset: str, fine_tuning: bool =
     run = resolve(args, default_preset, fine_tuning)
     check_training_memory(run)  # before any data is prepared or the run directory made
     set_threads(run.options.get("threads"))
-    assert run.spec.train is not None  # a recipe's family trains
-    return run.spec.train(run)
+    assert run.family.train is not None  # a recipe's family trains
+    return run.family.train(run)

@@ -54,11 +54,11 @@ def train(run: Run) -> dict[str, Any]:
         data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size, **sources)
         model_config = run.model_config(GPTConfig).replace(vocab_size=data.tokenizer.vocab_size)
     _log_data(data)
-    torch.manual_seed(run.train.seed)
+    torch.manual_seed(run.train_config.seed)
     model = GPT(model_config)
     log(f"model: GPT {run.preset}, {model.num_parameters():,} parameters -> {run.out}")
     return _fit(run, model, LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
-                                          seed=run.train.seed), data.tokenizer)
+                                          seed=run.train_config.seed), data.tokenizer)
 
 
 def _check_text_field(options: dict[str, Any]) -> None:
@@ -76,7 +76,7 @@ def _check_text_field(options: dict[str, Any]) -> None:
 def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:
     """A pretrained GPT (options["init"]) on the text of options["data"], through its own tokenizer:
     every weight, or with --lora-r only the LoRA adapter."""
-    torch.manual_seed(run.train.seed)  # the adapter's A
+    torch.manual_seed(run.train_config.seed)  # the adapter's A
     model, adapter = starting_model(run)
     assert isinstance(model, GPT) and model.tokenizer is not None  # from_base and checkpoints give both
     data = prepare_lm_data(run.options.get("data"), tokenizer=model.tokenizer, **sources)
@@ -85,7 +85,7 @@ def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:
     log(f"model: GPT from {run.options['init']}, "
         f"{model.num_parameters():,} parameters, {trainable:,} trained "
         f"({'LoRA r=' + str(adapter['lora']['r']) if adapter else 'all'}) -> {run.out}")
-    source = LMBatchSource(data.train_tokens, data.val_tokens, model.config.block_size, seed=run.train.seed)
+    source = LMBatchSource(data.train_tokens, data.val_tokens, model.config.block_size, seed=run.train_config.seed)
     return _fit(run, model, source, data.tokenizer, adapter)
 
 
