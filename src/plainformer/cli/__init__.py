@@ -32,9 +32,10 @@ from .._version import __version__
 from ..config import Config
 from ..errors import UserError
 from ..families.family import Family
+from ..launch import is_main_process, log
 from ..models.memory import MemoryBudgetError, memory_limit, parse_size
 from ..models.saved import SavedModel
-from ..training.distributed import is_main_process, log, run_torchrun
+from ..training.distributed import run_torchrun
 from ..training.trainer import TrainingInterrupted
 
 COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "export", "attention", "prepare", "serve")

@@ -22,9 +22,9 @@ from ..errors import UserError
 from ..hf.bert import MINILM_NAME
 from ..hf.gpt import save_hf
 from ..hf.sentence import load_bert
+from ..launch import log
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..training.config import TrainConfig
-from ..training.distributed import log
 from ..training.evaluation import accuracy, mean_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, checkpoint_dir, fit
 from .finetuning import load_trained, starting_model

@@ -23,10 +23,10 @@ from ..config import Config
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..hf.gpt import is_hf_directory
+from ..launch import log
 from ..models.memory import check_memory, context_length, forward_bytes, held_bytes, training_bytes
 from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
-from ..training.distributed import log
 from ..training.trainer import Trainer
 
 RECIPE_FILE = "recipe.yaml"

@@ -22,9 +22,9 @@ from ..errors import UserError
 from ..hf.gguf import save_gguf
 from ..hf.gpt import is_hf_directory, load_hf, save_hf
 from ..inference.quantize import quantize
+from ..launch import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
-from ..training.distributed import log
 from ..training.evaluation import validation_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, fit, refuse_non_model
 from .finetuning import load_trained, starting_model

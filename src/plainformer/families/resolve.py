@@ -19,8 +19,8 @@ import torch
 from ..checkpoint.format import load_checkpoint
 from ..config import Config
 from ..errors import UserError
+from ..launch import current_launch
 from ..training.config import TrainConfig
-from ..training.distributed import current_launch
 from ..training.precision import matmul_rate, resolve_dtype
 from . import trained
 from .family import FINE_TUNING_OPTIONS, Family, Run, plain
