@@ -11,8 +11,8 @@ import yaml
 
 from plainformer import recipes
 from plainformer.cli import UserError, build_parser
-from plainformer.cli import train as cli_train
 from plainformer.cli.train import read_config_file, resolve
+from plainformer.families import resolve as families_resolve
 
 FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape's threshold but the last
 
@@ -27,7 +27,7 @@ def probe(monkeypatch):
         rates.append(measured[0])
         return measured[0]
 
-    monkeypatch.setattr(cli_train, "matmul_rate", matmul_rate)
+    monkeypatch.setattr(families_resolve, "matmul_rate", matmul_rate)
     return measured, rates
 
 
@@ -45,7 +45,7 @@ def _init(name: str) -> list[str]:
 def test_the_preset_selects_model_training_and_options(name):
     run = _resolve("--preset", name, *_init(name))
     recipe = recipes.get(name)
-    assert (run.family, run.model, run.train) == (recipe.family, recipe.model, recipe.train)
+    assert (run.family_name, run.model, run.train_config) == (recipe.family, recipe.model, recipe.train)
     init = {"init": "some/model"} if _init(name) else {}
     assert run.options == {**recipe.options, **init}
     assert run.out == Path("runs") / name
@@ -59,7 +59,8 @@ def test_the_written_recipe_reads_back_to_the_same_run(name, tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(run.recipe_values()))
     again = _resolve("--config", str(path))
-    assert (again.preset, again.family, again.model, again.train) == (run.preset, run.family, run.model, run.train)
+    assert (again.preset, again.family_name, again.model, again.train_config) == \
+        (run.preset, run.family_name, run.model, run.train_config)
     assert again.options == run.options
     if run.model is None:  # fine-tuning: only the fields given travel, the shape is --init's
         assert again.model_overrides == run.model_overrides == dict([override])
@@ -69,13 +70,13 @@ def test_flags_override_the_recipe_field_by_field():
     run = _resolve("--preset", "gpt2", "--n-layers", "2", "--max-steps", "7")
     gpt2 = recipes.get("gpt2")
     assert run.model == gpt2.model.replace(n_layers=2)
-    assert run.train == gpt2.train.replace(max_steps=7)
+    assert run.train_config == gpt2.train.replace(max_steps=7)
 
 
 def test_the_inverse_sqrt_schedule_follows_the_models_d_model_unless_given():
-    assert _resolve("--preset", "seq2seq-numbers-en-fr", "--d-model", "256").train.schedule_d_model == 256
+    assert _resolve("--preset", "seq2seq-numbers-en-fr", "--d-model", "256").train_config.schedule_d_model == 256
     given = _resolve("--preset", "seq2seq-numbers-en-fr", "--d-model", "256", "--schedule-d-model", "64")
-    assert given.train.schedule_d_model == 64
+    assert given.train_config.schedule_d_model == 64
 
 
 def test_config_file_keys_take_dashes_or_underscores_and_yaml_strings_as_numbers(tmp_path):
@@ -88,7 +89,7 @@ def test_the_config_file_names_the_preset_and_the_command_line_wins(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"preset": "nanogpt-cpu", "max_steps": 5, "lr": 0.01}')
     run = _resolve("--config", str(path), "--max-steps", "9")
-    assert run.preset == "nanogpt-cpu" and run.train.max_steps == 9 and run.train.lr == 0.01
+    assert run.preset == "nanogpt-cpu" and run.train_config.max_steps == 9 and run.train_config.lr == 0.01
     assert _resolve("--config", str(path), "--preset", "default").preset == "default"
 
 
@@ -131,7 +132,7 @@ def test_a_recipe_with_shapes_takes_the_one_the_measured_matmul_rate_reaches(nam
         measured[0] = rate
         run = _resolve("--preset", name)
         assert run.model == recipe.model.replace(**shape.model)
-        assert run.train == recipe.train.replace(**shape.train)
+        assert run.train_config == recipe.train.replace(**shape.train)
         assert run.shape_note == (f"shape: {shape.name} (float32 matmuls at {rate / 1e9:.0f} GFLOP/s on this "
                                   f"machine; {name!r} takes it {taken})")
     assert len(rates) == 2

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import plainformer as pf
 from plainformer import recipes
 from plainformer.cli import main
-from plainformer.cli import train as cli_train
+from plainformer.families import resolve as families_resolve
 
 TINY_MODEL = ["--n-layers", "1", "--n-heads", "2", "--d-model", "32", "--d-ff", "64", "--block-size", "16"]
 TINY_TRAINING = ["--batch-size", "4", "--eval-interval", "5", "--eval-batches", "2", "--warmup-steps", "2",
@@ -133,7 +133,7 @@ def test_the_default_trains_the_shape_the_probe_picks_and_repeats_it_on_resume_a
     shapes = (recipes.Shape("wide", 500.0, {}, {}), recipes.Shape("narrow", 0.0, dict(d_model=16, d_ff=32), {}))
     monkeypatch.setitem(recipes.RECIPES, "default", dataclasses.replace(
         default, model=default.model.replace(**tiny), shapes=shapes))
-    monkeypatch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 100e9)
+    monkeypatch.setattr(families_resolve, "matmul_rate", lambda dtype, seconds: 100e9)
     run = ["--data", str(text_file), "--no-progress", *TINY_TRAINING, "--no-fit-to-time"]
     code, _, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--max-steps", "2", *run)
     assert code == 0
@@ -141,7 +141,7 @@ def test_the_default_trains_the_shape_the_probe_picks_and_repeats_it_on_resume_a
     assert pf.GPT.from_checkpoint(tmp_path / "run" / "last").config.d_model == 16
     assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["d_model"] == 16
 
-    monkeypatch.setattr(cli_train, "matmul_rate", lambda dtype, seconds: 1e15)  # a faster machine now
+    monkeypatch.setattr(families_resolve, "matmul_rate", lambda dtype, seconds: 1e15)  # a faster machine now
     code, _, stderr = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--max-steps", "3", "--resume", *run)
     assert code == 0 and "shape:" not in stderr
     assert pf.GPT.from_checkpoint(tmp_path / "run" / "last").config.d_model == 16

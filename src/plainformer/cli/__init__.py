@@ -22,19 +22,23 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import _checks
+from .. import _checks, families
 from .._version import __version__
 from ..config import Config
 from ..errors import UserError
+from ..families.family import Family
+from ..launch import is_main_process, log
 from ..memory import MemoryBudgetError, memory_limit, parse_size
-from ..training.distributed import is_main_process, log, run_torchrun
+from ..models.saved import SavedModel
+from ..training.distributed import run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "evaluate", "sample", "translate", "embed", "hf", "prepare", "serve")
+COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "export", "attention", "prepare", "serve")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
@@ -135,6 +139,18 @@ def utf8_text(raw: bytes, what: str) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise UserError(f"{what} is not UTF-8 text (byte offset {error.start})") from None
+
+
+CKPT_HELP = "checkpoint directory, run directory (its best/, else last/) or Hugging Face directory"
+
+
+def load_any(path: Path) -> tuple[SavedModel, Family]:
+    """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run,
+    and its family: what `export` and `attention` take as --ckpt."""
+    if not path.exists():
+        raise UserError(f"--ckpt {path} does not exist")
+    model = families.load_model(path)
+    return model, families.get(model.family)
 
 
 def stdin_lines() -> list[str]:

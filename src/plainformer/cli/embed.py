@@ -19,7 +19,7 @@ from ..families.bert import model_location
 from ..files.atomic import atomic_path
 from ..hf.bert import resolve_bert_path
 from ..hf.sentence import SentenceEncoder
-from ..training.distributed import log
+from ..launch import log
 from . import UserError, add_dtype_argument, add_product_arguments, positive_int, stdin_lines, utf8_text
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}

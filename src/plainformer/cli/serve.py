@@ -19,11 +19,11 @@ from typing import Any
 from ..families.family import checkpoint_dir
 from ..families.gpt import load_language_model
 from ..inference import for_decoding
+from ..launch import log
 from ..memory import check_memory
 from ..models.gpt import GPT, decoding_bytes
 from ..models.memory import held_bytes
 from ..nn.lora import unload_lora
-from ..training.distributed import log
 from . import QUANTIZE_HELP, UserError, add_dtype_argument, add_max_memory_argument, positive_int
 
 GRACE_S = 3  # how long requests in flight may take to finish once a stop is asked for

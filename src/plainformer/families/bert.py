@@ -22,9 +22,9 @@ from ..errors import UserError
 from ..hf.auto import save_hf
 from ..hf.bert import MINILM_NAME
 from ..hf.sentence import load_bert
+from ..launch import log
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..training.config import TrainConfig
-from ..training.distributed import log
 from ..training.evaluation import accuracy, mean_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, checkpoint_dir, fit
 from .finetuning import load_trained, starting_model
@@ -36,7 +36,7 @@ def model_location(name: str) -> str | Path:
 
 
 def _eval_batch_size(run: Run) -> int:
-    return run.train.eval_batch_size or run.train.batch_size
+    return run.train_config.eval_batch_size or run.train_config.batch_size
 
 
 # ----------------------------------------------------------------------------- pretrain
@@ -70,12 +70,12 @@ def pretrain(run: Run) -> dict[str, Any]:
         tokenizer = build_tokenizer(load_split(options.get("data")), "wordpiece",
                                     vocab_size=options["vocab_size"])
         config = config.replace(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
-    source = _mlm_source(options.get("data"), tokenizer, options["seq_len"], config, run.train.seed)
-    torch.manual_seed(run.train.seed)
+    source = _mlm_source(options.get("data"), tokenizer, options["seq_len"], config, run.train_config.seed)
+    torch.manual_seed(run.train_config.seed)
     model = BertForMaskedLM(config)
     log(f"model: BERT {run.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {run.out}")
     metrics = fit(run, model, source, tokenizer)
-    masked_accuracy = accuracy(model, source, run.train.eval_batches, _eval_batch_size(run))
+    masked_accuracy = accuracy(model, source, run.train_config.eval_batches, _eval_batch_size(run))
     log(f"validation: MLM loss {metrics['val_loss']:.4f}, masked-token accuracy {masked_accuracy:.4f}; "
         f"embed with: plainformer embed --model {run.out / 'last'}")
     return {**metrics, "val_mlm_loss": metrics["val_loss"], "val_masked_accuracy": masked_accuracy,
@@ -99,7 +99,7 @@ def finetune(run: Run) -> dict[str, Any]:
     text, none in two splits); validation accuracy against the majority-class baseline. Every weight
     trains, or with --lora-r the LoRA adapter and the classifier."""
     task = play_lines_task(run.options["plays"])
-    torch.manual_seed(run.train.seed)
+    torch.manual_seed(run.train_config.seed)
     model, adapter = starting_model(run, n_labels=len(task.classes))
     assert isinstance(model, BertForSequenceClassification)  # the family's
     if model.config.n_labels != len(task.classes):
@@ -107,9 +107,9 @@ def finetune(run: Run) -> dict[str, Any]:
     tokenizer = model.tokenizer
     if not isinstance(tokenizer, WordPieceTokenizer):
         raise UserError(f"{run.options['init']} holds no WordPiece tokenizer to encode the task's lines with")
-    source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train.seed)
+    source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train_config.seed)
     val_batches = source.num_batches("val", _eval_batch_size(run))
-    train_config = run.train.replace(eval_batches=val_batches)  # the whole validation set
+    train_config = run.train_config.replace(eval_batches=val_batches)  # the whole validation set
     log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
         f"validation lines; model from {run.options['init']} -> {run.out}")
     metrics = fit(run, model, source, tokenizer, train_config, adapter)

@@ -23,11 +23,11 @@ from ..config import Config
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..hf.directory import is_hf_directory
+from ..launch import log
 from ..memory import check_memory
 from ..models.memory import context_length, forward_bytes, held_bytes, training_bytes
 from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
-from ..training.distributed import log
 from ..training.trainer import Trainer
 
 RECIPE_FILE = "recipe.yaml"
@@ -103,9 +103,9 @@ class Run:
     `model_overrides`); `checkpoint` is the verified OUT/last of a resumed run."""
 
     preset: str
-    spec: Family
+    family: Family
     model: Config | None
-    train: TrainConfig
+    train_config: TrainConfig
     options: dict[str, Any]
     out: Path
     checkpoint: Checkpoint | None
@@ -115,8 +115,8 @@ class Run:
     fine_tuning: bool = False
 
     @property
-    def family(self) -> str:
-        return self.spec.name
+    def family_name(self) -> str:
+        return self.family.name
 
     @property
     def resume(self) -> bool:
@@ -124,7 +124,7 @@ class Run:
 
     def model_config(self, config_cls: type[ConfigT]) -> ConfigT:
         """`model` as the family's config class."""
-        assert isinstance(self.model, config_cls), f"a {self.family} run holds {type(self.model).__name__}"
+        assert isinstance(self.model, config_cls), f"a {self.family_name} run holds {type(self.model).__name__}"
         return self.model
 
     def recipe_values(self) -> dict[str, Any]:
@@ -133,10 +133,10 @@ class Run:
             model = dict(self.model_overrides)
         else:
             assert self.model is not None  # only a fine-tuning recipe leaves the model to --init
-            model = {k: v for k, v in self.model.to_dict().items() if k not in self.spec.data_fields}
-        options = {name: self.options.get(name) for name in self.spec.options
+            model = {k: v for k, v in self.model.to_dict().items() if k not in self.family.data_fields}
+        options = {name: self.options.get(name) for name in self.family.options
                    if self.fine_tuning or name not in FINE_TUNING_OPTIONS}
-        return plain({"preset": self.preset, **options, **model, **self.train.to_dict()})
+        return plain({"preset": self.preset, **options, **model, **self.train_config.to_dict()})
 
     def write_recipe(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def check_training_memory(run: Run, train: TrainConfig | None = None, model: nn.
     available (`models.memory.training_bytes`): estimated from the run's model config before the data is
     prepared, with the vocabulary its tokenizer is to be trained to where the data decides it, or from
     `model` once it is built (a fine-tuning run's comes from --init, a LoRA's trains only its adapter)."""
-    train = train or run.train
+    train = train or run.train_config
     trainable, held = None, 0  # every parameter; nothing built yet
     config: Config
     if model is not None:
@@ -207,7 +207,7 @@ def check_training_memory(run: Run, train: TrainConfig | None = None, model: nn.
 
     def estimate(model_config: Config, train_config: TrainConfig) -> int:
         return training_bytes(model_config, train_config.batch_size, seq_len=seq_len, optimizer=train_config.optimizer,
-                              family=run.family, trainable=trainable, eval_batch_size=train_config.eval_batch_size)
+                              family=run.family_name, trainable=trainable, eval_batch_size=train_config.eval_batch_size)
 
     optimizer = {"adamw": "AdamW", "muon": "Muon"}.get(train.optimizer, train.optimizer)
     check_memory(f"training needs ~{{needed}} (the model, its gradients, {optimizer}'s state and the "
@@ -220,7 +220,7 @@ def _before_the_data(run: Run, config: Config) -> Config:
     until `fit` checks the model built. A copy left unchecked, as a size of 0 is no valid config."""
     config = copy.copy(config)
     trained = run.options.get("tokenizer") != "char"  # a char tokenizer's size is the text's characters
-    for name in (field for field in run.spec.data_fields if field.endswith("vocab_size")):
+    for name in (field for field in run.family.data_fields if field.endswith("vocab_size")):
         given = run.options.get("vocab_size") if trained and name == "vocab_size" else None
         setattr(config, name, given or 0)
     return config
@@ -243,14 +243,14 @@ def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainCon
     by the lock leaves the owner's recipe alone. `adapter`: a LoRA run's record (`Trainer`). The metrics
     gain the model's parameters, all and trainable."""
     check_training_memory(run, train, model)
-    trainer = Trainer(model, source, train or run.train, run.out, tokenizer=tokenizer,
+    trainer = Trainer(model, source, train or run.train_config, run.out, tokenizer=tokenizer,
                       resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
                       adapter=adapter)
 
     def on_locked() -> None:
         if run.shape_note is not None:
             log(run.shape_note)
-        log(f"recipe {run.preset} ({run.family}) -> {run.write_recipe()}")
+        log(f"recipe {run.preset} ({run.family_name}) -> {run.write_recipe()}")
 
     return {**trainer.fit(on_locked=on_locked), "parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}

@@ -71,7 +71,7 @@ def starting_model(run: Run, **changes: Any) -> tuple[SavedModel, dict[str, Any]
     trains the whole model): --init's model with the run's model overrides and `changes`, LoRA layers
     added when the run has a LoRA. Resumed, the model has the checkpoint's shape (the trainer loads its
     weights), on the base its adapter names."""
-    family, checkpoint = run.spec, run.checkpoint
+    family, checkpoint = run.family, run.checkpoint
     if checkpoint is not None:
         if checkpoint.adapter is not None:
             return adapted_base(checkpoint, family), checkpoint.adapter

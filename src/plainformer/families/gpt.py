@@ -23,9 +23,9 @@ from ..hf.auto import load_hf, save_hf
 from ..hf.directory import is_hf_directory
 from ..hf.gguf import save_gguf
 from ..inference.quantize import quantize
+from ..launch import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
-from ..training.distributed import log
 from ..training.evaluation import validation_loss
 from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, fit, refuse_non_model
 from .finetuning import load_trained, starting_model
@@ -55,11 +55,11 @@ def train(run: Run) -> dict[str, Any]:
         data = prepare_lm_data(options.get("data"), tokenizer=kind, vocab_size=vocab_size, **sources)
         model_config = run.model_config(GPTConfig).replace(vocab_size=data.tokenizer.vocab_size)
     _log_data(data)
-    torch.manual_seed(run.train.seed)
+    torch.manual_seed(run.train_config.seed)
     model = GPT(model_config)
     log(f"model: GPT {run.preset}, {model.num_parameters():,} parameters -> {run.out}")
     return _fit(run, model, LMBatchSource(data.train_tokens, data.val_tokens, model_config.block_size,
-                                          seed=run.train.seed), data.tokenizer)
+                                          seed=run.train_config.seed), data.tokenizer)
 
 
 def _check_text_field(options: dict[str, Any]) -> None:
@@ -77,7 +77,7 @@ def _check_text_field(options: dict[str, Any]) -> None:
 def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:
     """A pretrained GPT (options["init"]) on the text of options["data"], through its own tokenizer:
     every weight, or with --lora-r only the LoRA adapter."""
-    torch.manual_seed(run.train.seed)  # the adapter's A
+    torch.manual_seed(run.train_config.seed)  # the adapter's A
     model, adapter = starting_model(run)
     assert isinstance(model, GPT) and model.tokenizer is not None  # from_base and checkpoints give both
     data = prepare_lm_data(run.options.get("data"), tokenizer=model.tokenizer, **sources)
@@ -86,7 +86,7 @@ def _fine_tune(run: Run, sources: dict[str, Any]) -> dict[str, Any]:
     log(f"model: GPT from {run.options['init']}, "
         f"{model.num_parameters():,} parameters, {trainable:,} trained "
         f"({'LoRA r=' + str(adapter['lora']['r']) if adapter else 'all'}) -> {run.out}")
-    source = LMBatchSource(data.train_tokens, data.val_tokens, model.config.block_size, seed=run.train.seed)
+    source = LMBatchSource(data.train_tokens, data.val_tokens, model.config.block_size, seed=run.train_config.seed)
     return _fit(run, model, source, data.tokenizer, adapter)
 
 

@@ -16,10 +16,10 @@ import torch
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
+from ..launch import log
 from ..memory import MemoryBudgetError, available_phrase, format_size
 from ..models.memory import held_bytes
 from ..models.transformer import Transformer, TransformerConfig, beam_search_bytes, largest_beam
-from ..training.distributed import log
 from ..training.evaluation import score_translations
 from .family import Family, Run, fit
 
@@ -35,7 +35,7 @@ def train(run: Run) -> dict[str, Any]:
     start = time.perf_counter()
     task = make_task(task_name)
     tokenizer = run.checkpoint.load_tokenizer() if run.checkpoint is not None else train_tokenizer(task)
-    source = Seq2SeqBatches(task, tokenizer, seed=run.train.seed)
+    source = Seq2SeqBatches(task, tokenizer, seed=run.train_config.seed)
     log(f"task {task_name}: {', '.join(f'{len(p):,} {s}' for s, p in task.pairs.items())} pairs, "
         f"BPE vocabulary of {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
     model_config = run.model_config(TransformerConfig)
@@ -43,7 +43,7 @@ def train(run: Run) -> dict[str, Any]:
         model_config = model_config.replace(
             src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
             pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
-    torch.manual_seed(run.train.seed)
+    torch.manual_seed(run.train_config.seed)
     model = Transformer(model_config)
     log(f"model: Transformer, {model.num_parameters():,} parameters, {torch.get_num_threads()} "
         f"thread(s) -> {run.out}")

@@ -409,14 +409,3 @@ def check_rope(rope: Rotation, head_dim: int, offset: int, length: int) -> None:
         raise ValueError(f"rope has head_dim = {rope.head_dim} but the attention heads have "
                          f"head_dim = {head_dim}")
     _checks.check_positions("the rotated positions", offset, length, rope.max_len)
-
-
-def check_trainable(model: nn.Module) -> None:
-    """Refuse, before training starts, attention that would fail at its first training step: the
-    "flash" backend applies no attention dropout, so a module that has some trains with another backend
-    (inference with it is fine: dropout is off in eval mode)."""
-    for name, module in model.named_modules():
-        if isinstance(module, MultiHeadAttention) and module.backend == "flash" and module.dropout > 0:
-            raise ValueError(f"{name or type(model).__name__} has backend='flash', which applies no attention "
-                             f"dropout, and dropout {module.dropout}: train it with attention dropout 0 or "
-                             f"backend 'auto', 'sdpa' or 'math'")

@@ -26,7 +26,6 @@ writes them, plus every rank's RNG state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import signal
@@ -40,59 +39,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
+from ..launch import Launch, current_launch, launch_from_env
 from ..nn.dtypes import at_least_float32
 from .config import PARALLEL
 from .optim import MuonWithAdamW
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a peer before failing
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """Where this process sits in the job: rank of world_size, local_rank on its machine."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def launch_from_env(environ: Mapping[str, str] = os.environ) -> Launch:
-    """The launch torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK; one process when they are unset."""
-    if "WORLD_SIZE" not in environ:
-        return Launch()
-    try:
-        rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-        local_rank = int(environ.get("LOCAL_RANK", rank))
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"a distributed launch needs integer RANK, WORLD_SIZE and LOCAL_RANK in the "
-                         f"environment (torchrun sets them): {e}") from None
-    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
-        raise ValueError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: need "
-                         "WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0")
-    return Launch(rank, world_size, local_rank)
-
-
-def is_main_process() -> bool:
-    """True on rank 0 and in a single process: the one process that prints and writes files."""
-    return current_launch().is_main
-
-
-def log(message: str) -> None:
-    """A line on stderr, from rank 0 only under torchrun."""
-    if is_main_process():
-        print(message, file=sys.stderr, flush=True)
-
-
-def current_launch() -> Launch:
-    """The initialised process group's rank and size, else the environment's."""
-    if dist.is_available() and dist.is_initialized():
-        return Launch(dist.get_rank(), dist.get_world_size(), launch_from_env().local_rank)
-    return launch_from_env()
 
 
 def _timeout_s() -> float:

@@ -30,7 +30,7 @@ from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, 
 from ..config import Config
 from ..errors import UserError
 from ..files.run_lock import run_lock
-from ..nn.attention import check_trainable
+from ..nn.attention import MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.lora import adapter_state_names
 from ..nn.modes import eval_mode
@@ -66,6 +66,17 @@ class TrainingInterrupted(Exception):
                          "(continue with resume=True, or --resume on the command line)")
         self.step = step
         self.checkpoint = checkpoint
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse, before training starts, attention that would fail at its first training step: the
+    "flash" backend applies no attention dropout, so a module that has some trains with another backend
+    (inference with it is fine: dropout is off in eval mode)."""
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadAttention) and module.backend == "flash" and module.dropout > 0:
+            raise ValueError(f"{name or type(model).__name__} has backend='flash', which applies no attention "
+                             f"dropout, and dropout {module.dropout}: train it with attention dropout 0 or "
+                             f"backend 'auto', 'sdpa' or 'math'")
 
 
 class Trainer:

@@ -1,0 +1,133 @@
+"""The `--config FILE` reader: a YAML or JSON file of flag values, each typed as its flag would parse it.
+
+A key is a flag's name with `_` or `-` (`n_layers: 2` or `n-layers: 2`); a key given twice, in either
+spelling or repeated within the file, is an error (YAML and JSON would keep the last silently), and so
+is a key that no flag has. What each key may hold is given by the caller as the argparse keywords of
+its flag (`type`, `choices`, `nargs`), so the file and the command line agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config import check_field_type
+from . import UserError, utf8_text
+
+#: Each key a file may give -> the argparse keywords of its flag: `type` a class (bool, int, float,
+#: str, Path: the value must be one) or a parser of text (argparse's `type`, given the value as text,
+#: which checks a range too), `choices`, `nargs`.
+Flags = Mapping[str, Mapping[str, Any]]
+
+
+def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
+    """The values of a YAML or JSON file of flags, keys normalised to field names (n-layers -> n_layers);
+    `command` is the command whose --help lists the flags."""
+    if not path.exists():
+        raise UserError(f"config file not found: {path}")
+    if not path.is_file():
+        raise UserError(f"--config {path} is not a regular file (a YAML or JSON file of flags)")
+    text = utf8_text(path.read_bytes(), str(path))
+    if path.suffix == ".json":
+        try:
+            values = json.loads(text, object_pairs_hook=_unique_pairs)
+        except RecursionError:
+            raise UserError(f"{path} is not valid JSON: it nests too deeply to read") from None
+        except ValueError as error:  # json.JSONDecodeError, or a key given twice
+            raise UserError(f"{path} is not valid JSON: {error}") from None
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            values = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader
+        except RecursionError:
+            raise UserError(f"{path} is not valid YAML: it nests too deeply to read") from None
+        except yaml.YAMLError as error:
+            raise UserError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+    else:
+        raise UserError(f"--config must be a .yaml, .yml or .json file, got {path}")
+    if not isinstance(values, dict):
+        raise UserError(f"{path} must hold a mapping of flag names to values, got {type(values).__name__}")
+    normalised = [str(key).replace("-", "_") for key in values]
+    twice = _first_repeated(sorted(normalised))
+    if twice is not None:
+        raise UserError(f"{path} gives {twice} twice (as {twice} and {twice.replace('_', '-')}?)")
+    values = dict(zip(normalised, values.values(), strict=True))
+    for key in values:
+        if key not in flags:
+            close = difflib.get_close_matches(key, sorted(flags), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserError(f"unknown key {key!r} in {path}{hint}; the keys are the flags of "
+                            f"`{command} --help`")
+    return {key: _typed(key, value, path, flags[key]) for key, value in values.items() if value is not None}
+
+
+def _first_repeated(keys: list[Any]) -> Any:
+    """The first of `keys` that occurs more than once, or None (by equality: a YAML key may be a list)."""
+    return next((key for key in keys if keys.count(key) > 1), None)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json.loads keeps the last of a repeated key)."""
+    twice = _first_repeated([key for key, _ in pairs])
+    if twice is not None:
+        raise ValueError(f"the key {twice!r} is given twice")
+    return dict(pairs)
+
+
+def _unique_keys_loader() -> type:
+    """yaml.SafeLoader refusing a key given twice in a mapping (it keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            twice = _first_repeated([self.construct_object(key, deep=deep) for key, _ in node.value])
+            if twice is not None:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {twice!r} is given twice",
+                                                        node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
+
+
+def _typed(key: str, value: Any, path: Path, flag: Mapping[str, Any]) -> Any:
+    """A file's value as the flag would parse it: paths from strings, numbers from strings such as
+    1e-3 (which YAML reads as a string), each of the flag's type, choices checked."""
+    kind = flag.get("type")
+    if kind is not None and not isinstance(kind, type):  # a parser of text checks the range too
+        try:
+            return kind(str(value))
+        except argparse.ArgumentTypeError as error:
+            raise UserError(f"{key} in {path}: {error}") from None
+    if isinstance(value, str) and kind in (int, float, Path):
+        try:
+            value = kind(value)
+        except ValueError:
+            raise UserError(f"{key} in {path} must be {kind.__name__}, got {value!r}") from None
+    try:
+        _check_type(f"{key} in {path}", value, kind, flag.get("nargs"))
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
+    choices = flag.get("choices")
+    if choices is not None and value not in choices:
+        raise UserError(f"{key} in {path} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _check_type(name: str, value: Any, kind: type | None, nargs: Any) -> None:
+    """`value` is what a flag of type `kind` parses to: a list of str for nargs="+", a path, a config
+    field's scalar, else a str; `name` says where it comes from in the message."""
+    if nargs == "+":
+        if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+            raise TypeError(f"{name} must be a list of str, got {value!r}")
+    elif kind is Path:
+        if not isinstance(value, Path):
+            raise TypeError(f"{name} must be a path (a str), got {value!r}")
+    elif kind in (bool, int, float):
+        check_field_type(name, value, kind)
+    elif not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r}")
