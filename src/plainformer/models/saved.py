@@ -21,6 +21,7 @@ Every class that names a `family` is found by it (`model_class`): a new family a
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import os
@@ -38,6 +39,7 @@ from ..memory import check_memory
 TENSOR_OVERHEAD = 2048  # bytes per tensor beyond its elements: the Python objects (see the docstring)
 
 _CLASSES: dict[str, type[SavedModel]] = {}  # family name -> its class, in the order they are defined
+_counting: contextvars.ContextVar[bool] = contextvars.ContextVar("counting", default=False)  # inside `footprint`
 
 
 @dataclasses.dataclass
@@ -130,9 +132,11 @@ class SavedModel(nn.Module):
         allocated: not on the meta device, where nothing is) and keeps it; `tokenizer` is None until
         from_checkpoint or load_hf sets it."""
         super().__init__()
-        _checks.check_type("config", config, self.config_class)
-        if torch.get_default_device().type != "meta":
-            check_memory("the model needs ~{needed} for its parameters and buffers", type(self).model_bytes, config)
+        if not _counting.get():  # `footprint`'s own build, of a config checked by the constructor that asked
+            _checks.check_type("config", config, self.config_class)
+            if torch.get_default_device().type != "meta":
+                check_memory("the model needs ~{needed} for its parameters and buffers", type(self).model_bytes,
+                             config)
         self.config = config
         self.tokenizer = None
 
@@ -157,8 +161,12 @@ class SavedModel(nn.Module):
                         for k in (1, 2))
             return Footprint(*(2 * x - y for x, y in zip(one, two, strict=True)))
         built, times = cls.shallow(config)
-        with torch.device("meta"):
-            model = cls(built)
+        token = _counting.set(True)
+        try:
+            with torch.device("meta"):
+                model = cls(built)
+        finally:
+            _counting.reset(token)
         return count(model, times)
 
     @classmethod
