@@ -38,7 +38,7 @@ from ..models.saved import SavedModel
 from ..training.distributed import run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "export", "attention", "prepare", "serve")
+COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "search", "export", "attention", "prepare", "serve")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
