@@ -22,13 +22,11 @@ from typing import Any
 import torch
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import load_language_model
+from ..families.gpt import check_decoding_memory, load_language_model
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.stopping import StopStrings
 from ..inference import for_decoding
-from ..memory import check_memory
-from ..models.gpt import GPT, decoding_bytes
-from ..models.memory import held_bytes
+from ..models.gpt import GPT
 from ..nn.lora import unload_lora
 from . import (
     QUANTIZE_HELP,
@@ -109,7 +107,9 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_language_model(checkpoint_dir(args.ckpt), args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     encoded = _encoded(tokenizer, prompts, flag)
-    _check_memory(model, len(encoded) * args.num_samples, max(map(len, encoded)))
+    rows = len(encoded) * args.num_samples
+    check_decoding_memory(model, rows, max(map(len, encoded)), f"sampling {rows} row(s) at once (--num-samples times "
+                          "the prompts)")
     for_decoding(model)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
@@ -123,16 +123,6 @@ def run_sample(args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     return {"samples": samples, "new_tokens": new_tokens, "tokens_per_s": new_tokens / max(elapsed, 1e-9),
             "elapsed_s": elapsed, "seed": args.seed}
-
-
-def _check_memory(model: GPT, rows: int, prompt_len: int) -> None:
-    """Refuse a batch of samples whose KV caches would not fit the memory available, before it is drawn."""
-    held = held_bytes(model)
-    block_size = model.config.block_size
-    check_memory(f"sampling {rows} row(s) at once (--num-samples times the prompts) needs ~{{needed}} for the "
-                 f"model and a KV cache of {block_size} positions per layer and row",
-                 lambda: held + decoding_bytes(model.config, rows, prompt_len, model.token_embedding.weight.dtype),
-                 held=held)
 
 
 def _stream(model: GPT, prompt: str, ids: list[int], args: argparse.Namespace, stop: StopStrings | None,

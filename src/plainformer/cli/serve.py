@@ -17,12 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import load_language_model
+from ..families.gpt import check_decoding_memory, load_language_model
 from ..inference import for_decoding
 from ..launch import log
-from ..memory import check_memory
-from ..models.gpt import GPT, decoding_bytes
-from ..models.memory import held_bytes
 from ..nn.lora import unload_lora
 from . import QUANTIZE_HELP, UserError, add_dtype_argument, add_max_memory_argument, positive_int
 
@@ -74,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     path = checkpoint_dir(args.ckpt)
     model, _ = load_language_model(path, args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
-    _check_memory(model, args.max_batch)
+    check_decoding_memory(model, args.max_batch, model.config.block_size, f"serving --max-batch {args.max_batch} rows")
     for_decoding(model)
     name = args.model_name or _default_name(args.ckpt)
     service = Service(model.eval(), name, max_batch=args.max_batch, max_queue=args.max_queue)
@@ -88,16 +85,6 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     server.run(create_app(service, api_key=args.api_key, on_ready=lambda: log(ready)), sock, service.batcher,
                grace_s=GRACE_S)
     return {"model": name, "served_s": time.perf_counter() - start, "decoding_steps": service.batcher.steps}
-
-
-def _check_memory(model: GPT, rows: int) -> None:
-    """Refuse to start when the model and the KV cache of --max-batch rows would not fit."""
-    held = held_bytes(model)
-    config = model.config
-    check_memory(f"serving --max-batch {rows} rows needs ~{{needed}} for the model and a KV cache of "
-                 f"{config.block_size} positions per layer and row",
-                 lambda: held + decoding_bytes(config, rows, config.block_size, model.token_embedding.weight.dtype),
-                 held=held)
 
 
 def _default_name(ckpt: Path) -> str:
