@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from plainformer import recipes
-from plainformer.cli import UserError, build_parser
-from plainformer.cli.train import read_config_file, resolve
+from plainformer.cli import build_parser
+from plainformer.cli.train import resolve
 from plainformer.families import resolve as families_resolve
 
 FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape's threshold but the last
@@ -79,43 +79,12 @@ def test_the_inverse_sqrt_schedule_follows_the_models_d_model_unless_given():
     assert given.train_config.schedule_d_model == 64
 
 
-def test_config_file_keys_take_dashes_or_underscores_and_yaml_strings_as_numbers(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("n-layers: 3\nlr: 1e-3\ndata: some/file.txt\nbias: true\n")
-    assert read_config_file(path) == {"n_layers": 3, "lr": 1e-3, "data": "some/file.txt", "bias": True}
-
-
 def test_the_config_file_names_the_preset_and_the_command_line_wins(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"preset": "nanogpt-cpu", "max_steps": 5, "lr": 0.01}')
     run = _resolve("--config", str(path), "--max-steps", "9")
     assert run.preset == "nanogpt-cpu" and run.train_config.max_steps == 9 and run.train_config.lr == 0.01
     assert _resolve("--config", str(path), "--preset", "default").preset == "default"
-
-
-@pytest.mark.parametrize("line, message", [
-    ("plays: Macbeth", r"plays in .*c\.yaml must be a list of str, got 'Macbeth'"),
-    ("data: 5", r"data in .*c\.yaml must be a str, got 5"),
-    ("preset: [gpt2]", r"preset in .*c\.yaml must be a str, got \['gpt2'\]"),
-    ("out: {a: 1}", r"out in .*c\.yaml must be a path \(a str\), got \{'a': 1\}"),
-    ("n_layers: 2.5", r"n_layers in .*c\.yaml must be an int, got float 2\.5"),
-    ("bias: 3", r"bias in .*c\.yaml must be a bool, got int 3"),
-    ("lr: .nan", r"lr in .*c\.yaml must be a finite number, got nan"),
-    ("threads: 0", r"threads in .*c\.yaml: expected a positive integer, got '0'"),
-    ("seq_len: [3]", r"seq_len in .*c\.yaml: expected a positive integer, got '\[3\]'"),
-])
-def test_a_config_file_value_of_the_wrong_type_names_the_file_and_the_key(tmp_path, line, message):
-    path = tmp_path / "c.yaml"
-    path.write_text(line + "\n")
-    with pytest.raises(UserError, match=message):
-        read_config_file(path)
-
-
-def test_a_config_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_bytes(b"preset: default\nlr: 0.001 \xe9\n")
-    with pytest.raises(UserError, match=r"c\.yaml is not UTF-8 text \(byte offset 26\)"):
-        read_config_file(path)
 
 
 def _shaped_recipes() -> list[str]:

@@ -1,5 +1,5 @@
 """Hugging Face BERT weights in and out: the packaged all-MiniLM-L6-v2 against transformers, any local
-BERT directory (safetensors or pytorch_model.bin), and weights written back for transformers."""
+BERT directory, and weights written back for transformers (pytorch_model.bin is read in test_directory.py)."""
 
 from __future__ import annotations
 
@@ -106,27 +106,6 @@ def test_written_weights_load_in_transformers_with_the_same_outputs(tmp_path):
     again = load_hf_bert(tmp_path / "out")
     assert again.config == config.replace(backend="auto")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values(), strict=True))
-
-
-def test_pytorch_model_bin_is_read_with_weights_only(tmp_path, monkeypatch):
-    hf = transformers.BertModel(transformers.BertConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
-        max_position_embeddings=12)).eval()
-    hf.config.save_pretrained(tmp_path)
-    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")  # the format older checkpoints use
-    calls = []
-    real_load = torch.load
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("weights_only"))
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
-    ours = load_hf_bert(tmp_path)
-    assert calls == [True]
-    ids = torch.randint(0, 40, (1, 5))
-    with torch.no_grad():
-        assert_close(ours(ids).last_hidden_state, hf(input_ids=ids).last_hidden_state, "from .bin")
 
 
 def test_task_model_prefix_and_legacy_layernorm_names_are_understood():

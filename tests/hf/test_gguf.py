@@ -1,7 +1,7 @@
 """GGUF files proven by the programs that read them: llama.cpp itself (xllamacpp), transformers' GGUF loader
 and the gguf package's reader. The GPTs are a GPT-2-layout and a Llama-layout model with a char and a BPE
 tokenizer, trained here for 150 steps on the bundled corpus (so that greedy decoding is not degenerate),
-and the layouts' variants of tests/hf/test_gpt.py with random weights."""
+and the layouts' variants of tests/reference/hf_gpt.py with random weights."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import transformers
 
 import plainformer as pf
 from plainformer.hf.gguf import save_gguf
-from tests.hf.test_gpt import TINY, _ours, _randomize
+from tests.reference.hf_gpt import TINY, _ours, _randomize
 from tests.reference.llama_cpp import llama_cpp, mean_log_likelihood
 
 TOLERANCE = 1e-4  # fp32 logits, as the issue states

@@ -1,6 +1,7 @@
-"""Hugging Face directories in and out: tiny GPT-2, Llama and Mixtral models built locally with random
-weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
-`AutoTokenizer`."""
+"""A GPT's Hugging Face directory in and out (hf/gpt.py): tiny GPT-2, Llama and Mixtral models built locally
+with random weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
+`AutoTokenizer`. The layouts' own refusals are in test_gpt_layouts.py, the dispatch over families in
+test_auto.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-import tokenizers as tokenizers_lib
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -19,95 +19,27 @@ import plainformer as pf
 from plainformer.cli import main
 from plainformer.hf.gpt import weight_map
 from plainformer.hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
+from tests.reference.hf_gpt import (
+    CONFIGS,
+    LLAMA,
+    TINY,
+    TOLERANCE,
+    _gpt2_tokenizer_files,
+    _hf_config,
+    _hf_directory,
+    _hf_logits,
+    _max_error,
+    _ours,
+    _randomize,
+    _tokens,
+)
 
-TOLERANCE = 1e-4  # fp32 logits, as the issue states
-TINY = dict(vocab_size=61, block_size=48, n_layers=2, n_heads=4, d_model=32, d_ff=64, dropout=0.0)
-GPT2 = dict(pos_encoding="learned", norm="layernorm", activation="gelu_tanh", bias=True, tie_weights=True)
-LLAMA = dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu", bias=False, norm_eps=1e-6,
-             rope_base=500.0)
-# Mixtral's loss has no z-loss, so a Mixtral loads with z_loss_coef=0; its aux-loss weight is carried.
-MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, aux_loss_coef=0.02, z_loss_coef=0.0)
-CONFIGS = {
-    "gpt2": GPT2,
-    "gpt2-untied": {**GPT2, "tie_weights": False},
-    "llama-gqa-untied": {**LLAMA, "n_kv_heads": 2, "tie_weights": False},
-    "llama-tied": {**LLAMA, "tie_weights": True},
-    "llama-bias": {**LLAMA, "bias": True, "n_kv_heads": 1, "tie_weights": False},
-    "mixtral-gqa-untied": {**MIXTRAL, "n_kv_heads": 2, "tie_weights": False},
-    "mixtral-tied-top1": {**MIXTRAL, "top_k": 1, "tie_weights": True},
-}
 ARCHITECTURES = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "experts": "MixtralForCausalLM"}
 
 
 def _architecture(name: str) -> str:
     c = CONFIGS[name]
     return ARCHITECTURES["experts" if c.get("n_experts") else c["pos_encoding"]]
-
-
-def _tokens(batch: int = 2, n: int = 16, seed: int = 1) -> torch.Tensor:
-    return torch.randint(TINY["vocab_size"], (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights far from the default init, so attention is far from uniform and norms are not identity."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            std = 0.5 if parameter.ndim == 1 else 0.15
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std
-                            + (1.0 if parameter.ndim == 1 else 0.0))
-
-
-def _ours(name: str) -> pf.GPT:
-    torch.manual_seed(0)
-    model = pf.GPT(pf.GPTConfig(**TINY, **CONFIGS[name])).eval()
-    _randomize(model)
-    return model
-
-
-def _hf_config(name: str) -> transformers.PretrainedConfig:
-    """The Hugging Face config of the same shape, written with transformers' own names (independent
-    of plainformer's translation)."""
-    c = {**TINY, **CONFIGS[name]}
-    if c["pos_encoding"] == "learned":
-        return transformers.GPT2Config(
-            vocab_size=c["vocab_size"], n_positions=c["block_size"], n_embd=c["d_model"], n_layer=c["n_layers"],
-            n_head=c["n_heads"], n_inner=c["d_ff"], activation_function="gelu_new", resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=c["tie_weights"],
-            bos_token_id=None, eos_token_id=None)
-    if c.get("n_experts"):
-        return transformers.MixtralConfig(
-            vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
-            num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
-            num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], max_position_embeddings=c["block_size"],
-            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-            num_local_experts=c["n_experts"], num_experts_per_tok=c["top_k"], router_aux_loss_coef=0.02,
-            tie_word_embeddings=c["tie_weights"], sliding_window=None, bos_token_id=None, eos_token_id=None)
-    return transformers.LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
-        num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
-        num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], max_position_embeddings=c["block_size"],
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        attention_bias=c["bias"], mlp_bias=c["bias"], tie_word_embeddings=c["tie_weights"],
-        bos_token_id=None, eos_token_id=None)
-
-
-def _hf_directory(name: str, tmp_path) -> tuple[transformers.PreTrainedModel, object]:
-    torch.manual_seed(0)
-    theirs = transformers.AutoModelForCausalLM.from_config(_hf_config(name)).eval()
-    _randomize(theirs)
-    theirs.save_pretrained(tmp_path / "hf")
-    return theirs, tmp_path / "hf"
-
-
-def _hf_logits(model: transformers.PreTrainedModel, idx: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(idx).logits
-
-
-def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape
-    return (a - b).abs().max().item()
 
 
 def _assert_same_greedy_tokens(ours: pf.GPT, theirs: transformers.PreTrainedModel, prompt: torch.Tensor) -> None:
@@ -174,47 +106,6 @@ def test_a_config_of_far_more_layers_than_the_weights_is_refused_before_building
         pf.load_hf(directory)  # at once: 100,000 blocks are never built
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope"),
-    ({"head_dim": 16}, "head_dim"),
-    ({"model_type": "mistral"}, "mistral"),
-])
-def test_a_llama_config_plainformer_cannot_express_is_refused_naming_the_field(change, field, tmp_path):
-    _, directory = _hf_directory("llama-tied", tmp_path)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(ValueError, match=field):
-        pf.load_hf(directory)
-
-
-def test_mixtral_in_transformers_own_fused_expert_names_loads(tmp_path):
-    """transformers 5 holds a block's experts as mlp.experts.gate_up_proj (E, 2·d_ff, d) and down_proj
-    in memory (save_pretrained writes them back per expert); a file in those names loads too."""
-    theirs, directory = _hf_directory("mixtral-gqa-untied", tmp_path)
-    assert any(".block_sparse_moe.experts.0.w1." in k for k in load_file(directory / "model.safetensors"))
-    if not any(k.endswith(".mlp.experts.gate_up_proj") for k in theirs.state_dict()):
-        pytest.skip("this transformers holds Mixtral's experts per expert in memory too")
-    save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, directory / "model.safetensors",
-              metadata={"format": "pt"})
-    idx = _tokens()
-    with torch.no_grad():
-        assert _max_error(pf.load_hf(directory)(idx)[0], _hf_logits(theirs, idx)) <= TOLERANCE
-
-
-@pytest.mark.parametrize("change, field", [
-    ({"sliding_window": 8}, "sliding_window=8"),
-    ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-])
-def test_a_mixtral_config_plainformer_cannot_express_is_refused_naming_the_field(change, field, tmp_path):
-    _, directory = _hf_directory("mixtral-tied-top1", tmp_path)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(ValueError, match=field):
-        pf.load_hf(directory)
-
-
 # ----------------------------------------------------------------------------- plainformer -> Hugging Face
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -253,28 +144,6 @@ def test_a_tied_head_is_written_once(tmp_path):
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     pf.save_hf(_ours("gpt2-untied"), tmp_path / "untied")
     assert "lm_head.weight" in load_file(tmp_path / "untied" / "model.safetensors")
-
-
-@pytest.mark.parametrize("overrides, field", [
-    (dict(pos_encoding="sinusoidal"), "pos_encoding='sinusoidal'"),
-    (dict(GPT2, norm="rmsnorm"), "norm='rmsnorm'"),
-    (dict(GPT2, activation="swiglu"), "activation='swiglu'"),
-    (dict(GPT2, n_kv_heads=2), "n_kv_heads=2"),
-    (dict(LLAMA, norm="layernorm"), "norm='layernorm'"),
-    (dict(LLAMA, activation="gelu"), "activation='gelu'"),
-    (dict(MIXTRAL, pos_encoding="learned"), "pos_encoding='learned'"),
-    (dict(MIXTRAL, bias=True), "bias=True"),
-    (dict(MIXTRAL, n_shared_experts=1), "n_shared_experts=1"),
-    (dict(MIXTRAL, first_dense_layers=1), "first_dense_layers=1"),
-    (dict(MIXTRAL, moe_every=2), "moe_every=2"),
-    (dict(MIXTRAL, capacity_factor=1.0), "capacity_factor=1.0"),
-    (dict(MIXTRAL, bias_update_rate=0.1), "bias_update_rate=0.1"),
-])
-def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
-    model = pf.GPT(pf.GPTConfig(**TINY, **overrides))
-    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
-        pf.save_hf(model, tmp_path)
-    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_a_router_balancing_bias_is_refused_as_mixtral_routes_by_scores_alone(tmp_path):
@@ -334,49 +203,7 @@ def test_the_library_map_names_every_parameter_once():
         assert sorted(ours, key=str) == sorted(parameters, key=str), name
 
 
-# ----------------------------------------------------------------------------- BERT, under the same roof
-
-def test_bert_saves_and_loads_through_the_same_entry_points(tmp_path):
-    torch.manual_seed(0)
-    bert = pf.BertModel(pf.BertConfig(vocab_size=40, max_len=16, n_layers=2, n_heads=2, d_model=16,
-                                      d_ff=32)).eval()
-    pf.save_hf(bert, tmp_path)
-    back = pf.load_hf(tmp_path)
-    assert isinstance(back, pf.BertModel)
-    for key, value in back.state_dict().items():
-        assert torch.equal(value, bert.state_dict()[key]), key
-    theirs = transformers.AutoModel.from_pretrained(tmp_path).eval()
-    idx = torch.randint(1, 40, (2, 10), generator=torch.Generator().manual_seed(0))  # no [PAD] (id 0)
-    with torch.no_grad():
-        assert _max_error(bert(idx).last_hidden_state, theirs(idx).last_hidden_state) <= TOLERANCE
-
-
-def test_a_plainformer_checkpoint_is_not_taken_for_a_hugging_face_directory(tmp_path):
-    model = _ours("gpt2")
-    pf.save_checkpoint(tmp_path, model=model, family="gpt", model_config=model.config.to_dict())
-    with pytest.raises(ValueError, match="no model_type: not a Hugging Face model directory"):
-        pf.load_hf(tmp_path)
-
-
-def test_save_refuses_other_models(tmp_path):
-    with pytest.raises(TypeError, match="model must be a GPT or a BertModel, got Linear"):
-        pf.save_hf(torch.nn.Linear(2, 2), tmp_path)
-
-
 # ----------------------------------------------------------------------------- tokenizers
-
-@pytest.fixture(scope="module")
-def corpus_lines() -> list[str]:
-    lines = [line for line in pf.load_text().splitlines() if line.strip()]
-    return lines[:1000]
-
-
-@pytest.fixture(scope="module")
-def tokenizers(corpus_lines):
-    text = pf.load_text()[:200_000]
-    return {"char": pf.CharTokenizer(pf.load_text()),
-            "bpe": pf.BPETokenizer.train(text, 400, special_tokens=("pad", "eos")),
-            "wordpiece": pf.WordPieceTokenizer.train(text, 400)}
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe", "wordpiece"])
@@ -406,36 +233,6 @@ def test_a_hugging_face_tokenizer_json_loads_as_ours(kind, tokenizers, corpus_li
     assert loaded.encode_many(corpus_lines) == ours.encode_many(corpus_lines)
 
 
-def test_save_hf_writes_the_models_tokenizer(tokenizers, tmp_path):
-    model = pf.GPT(pf.GPTConfig(**{**TINY, "vocab_size": tokenizers["bpe"].vocab_size}, **LLAMA))
-    model.tokenizer = tokenizers["bpe"]
-    pf.save_hf(model, tmp_path)
-    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert theirs.eos_token_id == model.tokenizer.eos_id
-    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == model.tokenizer.eos_id
-    assert pf.load_hf(tmp_path).tokenizer.fingerprint == model.tokenizer.fingerprint
-
-
-@pytest.fixture(scope="module")
-def gpt2_bpe():
-    """A GPT-2 style byte-level BPE trained with `tokenizers` itself, without a special token in its
-    vocabulary (GPT2Tokenizer adds <|endoftext|>, as ours must)."""
-    tok = tokenizers_lib.Tokenizer(tokenizers_lib.models.BPE())
-    tok.pre_tokenizer = tokenizers_lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers_lib.trainers.BpeTrainer(
-        vocab_size=500, initial_alphabet=tokenizers_lib.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([pf.load_text()[:200_000]], trainer=trainer)
-    return tok
-
-
-def _gpt2_tokenizer_files(tok, directory, config: dict | None = None) -> None:
-    """GPT-2's original two tokenizer files, and a tokenizer_config.json when `config` is given."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.model.save(str(directory))
-    if config is not None:
-        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", **config}))
-
-
 @pytest.mark.parametrize("config", [{}, {"add_prefix_space": True}, {"add_bos_token": True, "add_eos_token": True}])
 def test_gpt2_vocab_and_merges_alone_load_with_auto_tokenizers_ids(config, gpt2_bpe, corpus_lines, tmp_path):
     _gpt2_tokenizer_files(gpt2_bpe, tmp_path, config)
@@ -449,13 +246,3 @@ def test_gpt2_vocab_and_merges_alone_load_with_auto_tokenizers_ids(config, gpt2_
     assert [ours.decode(i) for i in ids] == [theirs.decode(i, skip_special_tokens=True) for i in ids]
     if not config.get("add_prefix_space"):  # which decodes to the line after a space
         assert [ours.decode(i) for i in ids[:-2]] == corpus_lines
-
-
-def test_load_hf_of_a_gpt2_directory_with_only_vocab_and_merges_has_its_tokenizer(gpt2_bpe, corpus_lines,
-                                                                                 tmp_path):
-    _, directory = _hf_directory("gpt2", tmp_path)
-    _gpt2_tokenizer_files(gpt2_bpe, directory)  # config.json's model_type tells AutoTokenizer the class
-    assert not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists()
-    expected = transformers.AutoTokenizer.from_pretrained(directory)(corpus_lines)["input_ids"]
-    model = pf.load_hf(directory)
-    assert model.tokenizer.kind == "bpe" and model.tokenizer.encode_many(corpus_lines) == expected

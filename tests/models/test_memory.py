@@ -1,10 +1,9 @@
 """The memory estimates of models/memory.py: exact parameter, tensor and buffer counts against the models
 built, training activations against what autograd keeps, optimizer state against the optimizers', the
-memory available (RLIMIT_AS, --max-memory) and refusals that name the size to blame."""
+largest beam that fits. The memory available and the refusal are tested in tests/test_memory.py, a model
+refused by its constructor in tests/models/test_saved.py."""
 
 from __future__ import annotations
-
-import resource
 
 import pytest
 import torch
@@ -13,10 +12,8 @@ import plainformer as pf
 from plainformer.models import memory
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer, muon_parameters
+from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
 
-GPT_TINY = dict(vocab_size=53, block_size=24, n_layers=3, n_heads=4, d_model=32, d_ff=64)
-BERT_TINY = dict(vocab_size=99, max_len=16, n_layers=2, n_heads=2, d_model=8, d_ff=16, n_labels=3)
-SEQ2SEQ_TINY = dict(src_vocab_size=40, tgt_vocab_size=40, n_layers=2, d_model=16, n_heads=4, d_ff=32, max_len=12)
 MODELS = {
     "gpt": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY)),
     "gpt untied, biases": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY, tie_weights=False, bias=True)),
@@ -132,61 +129,6 @@ def test_the_optimizer_state_estimated_is_the_optimizers(optimizer):
     assert moments == 4 * state
 
 
-def test_a_model_too_big_for_the_memory_is_refused_naming_the_field_before_it_is_built():
-    tiny = dict(vocab_size=50, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32, pos_encoding="rope")
-    limit = 2 * memory.model_bytes(pf.GPTConfig(**tiny))
-    for field, value in (("n_layers", 12), ("vocab_size", 5000), ("d_ff", 2000), ("d_model", 512),
-                         ("block_size", 10**4)):
-        config = pf.GPTConfig(**{**tiny, field: value})
-        message = rf"^{field}={value}: the model needs ~[\d.]+ [kM]B for its parameters and buffers, more than the "
-        with memory.memory_limit(limit), pytest.raises(memory.MemoryBudgetError, match=message + r".* kB allowed$"):
-            pf.GPT(config)
-    with memory.memory_limit(memory.model_bytes(pf.BertConfig(**BERT_TINY), family="bert")):
-        pf.BertModel(pf.BertConfig(**BERT_TINY))  # exactly enough
-        with pytest.raises(ValueError, match=r"^n_labels=3000: the model needs"):
-            pf.BertForSequenceClassification(pf.BertConfig(**{**BERT_TINY, "n_labels": 3000}))
-        with pytest.raises(ValueError, match=r"^the model needs"):  # the MLM head is more; no size is large
-            pf.BertForMaskedLM(pf.BertConfig(**BERT_TINY))
-    with memory.memory_limit(memory.model_bytes(pf.TransformerConfig(**SEQ2SEQ_TINY))):
-        with pytest.raises(ValueError, match=r"^n_encoder_layers=3: the model needs"):
-            pf.Transformer(pf.TransformerConfig(**SEQ2SEQ_TINY, n_encoder_layers=3))
-
-
-def test_nothing_is_refused_on_the_meta_device():
-    with memory.memory_limit(1), torch.device("meta"):
-        assert pf.GPT(pf.GPTConfig(**GPT_TINY)).token_embedding.weight.is_meta
-
-
-def test_a_training_refusal_names_the_batch_size_when_it_is_to_blame():
-    config = pf.GPTConfig(**GPT_TINY)
-
-    def estimate(model_config, train):
-        return memory.training_bytes(model_config, train.batch_size, eval_batch_size=train.eval_batch_size)
-
-    with memory.memory_limit(10**9):
-        assert memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig()) < 10**9
-        for field in ("batch_size", "eval_batch_size"):
-            with pytest.raises(memory.MemoryBudgetError, match=rf"^{field}=100000000: training needs ~.* TB, "
-                                                               r"more than the 1\.0 GB allowed$"):
-                memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig(**{field: 10**8}))
-
-
-def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
-    machine = memory.available_memory()
-    assert machine > 0
-    vm_size = memory._meminfo("/proc/self/status", "VmSize")
-    monkeypatch.setattr(resource, "getrlimit", lambda kind: (vm_size + 10**6, resource.RLIM_INFINITY))
-    assert memory.available_memory() <= 10**6 + 4096  # what the limit leaves, give or take a page grown since
-    assert memory.available_memory(held=5) == memory.available_memory() + 5
-    with memory.memory_limit(123):
-        assert memory.available_memory(held=5) == 123  # a limit is the whole budget
-        with memory.memory_limit(None):
-            assert memory.available_memory() == 123
-    assert memory.available_memory() <= 10**6 + 4096
-    with pytest.raises(ValueError, match="limit must be a positive integer, got 0"), memory.memory_limit(0):
-        pass
-
-
 def test_the_largest_beam_is_the_one_that_fits():
     config = pf.TransformerConfig(**{**SEQ2SEQ_TINY, "tgt_vocab_size": 5000, "src_vocab_size": 5000})
     with memory.memory_limit(2 * 10**6):
@@ -198,22 +140,3 @@ def test_the_largest_beam_is_the_one_that_fits():
         assert memory.largest_beam(config, 4, 10) == 5000  # no more hypotheses than tokens
     with memory.memory_limit(10):
         assert memory.largest_beam(config, 4, 10) == 0
-
-
-@pytest.mark.parametrize("text, size", [
-    ("64GB", 64 * 10**9), ("512MiB", 512 * 2**20), ("1.5 TB", 1_500_000_000_000), ("800k", 800_000),
-    ("100", 100), ("2gib", 2 * 2**30), ("3 B", 3), (".5K", 500)])
-def test_a_size_is_parsed_in_decimal_or_binary_units(text, size):
-    assert memory.parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["", "GB", "-1GB", "1e9", "1.5XB", "0", "0.4", "nan", "1 GB 2"])
-def test_a_bad_size_is_refused(text):
-    with pytest.raises(ValueError, match="size"):
-        memory.parse_size(text)
-
-
-@pytest.mark.parametrize("nbytes, text", [
-    (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B")])
-def test_a_size_is_written_for_a_reader(nbytes, text):
-    assert memory.format_size(nbytes) == text

@@ -34,7 +34,6 @@ from plainformer.nn.moe import MoEFeedForward
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
-    launch_from_env,
     process_group,
     resolve_parallel,
     torchrun_command,
@@ -274,17 +273,6 @@ def test_a_failed_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path
 
 
 # ----------------------------------------------------------------------------- the launch
-
-
-def test_launch_is_read_from_torchruns_environment():
-    assert launch_from_env({}).world_size == 1
-    launch = launch_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
-    assert (launch.rank, launch.world_size, launch.local_rank, launch.is_main) == (3, 8, 1, False)
-    with pytest.raises(ValueError, match="RANK=8, WORLD_SIZE=8"):
-        launch_from_env({"RANK": "8", "WORLD_SIZE": "8", "LOCAL_RANK": "0"})
-    with pytest.raises(ValueError, match="integer RANK"):
-        launch_from_env({"WORLD_SIZE": "2"})
-
 
 def test_parallel_resolves_to_ddp_by_default_and_to_none_in_one_process():
     assert resolve_parallel("auto", 4) == "ddp" and resolve_parallel("fsdp", 4) == "fsdp"

@@ -1,0 +1,159 @@
+"""What every model family's class shares (models/saved.py): the constructor's opening (the config's
+type, then the model's bytes against the memory available, before anything is allocated), what a model
+holds counted on the meta device, the classes found by family, and checkpoints checked before a model
+is built from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import plainformer as pf
+from plainformer.checkpoint.format import CheckpointError, load_checkpoint
+from plainformer.models import memory, saved
+from plainformer.models.saved import SavedModel, block_matrices, check_stored_parameters, count, model_class
+from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
+
+CLASSES = [pf.GPT, pf.BertModel, pf.BertForMaskedLM, pf.BertForSequenceClassification, pf.Transformer]
+
+
+# ----------------------------------------------------------------------------- the constructor's opening
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__name__)
+def test_a_config_of_another_type_is_refused_naming_the_class_expected_before_the_memory_check(cls):
+    wrong = pf.TransformerConfig(**SEQ2SEQ_TINY) if cls is not pf.Transformer else pf.GPTConfig(**GPT_TINY)
+    with memory.memory_limit(1), pytest.raises(
+            TypeError, match=rf"^config must be a {cls.config_class.__name__}, got {type(wrong).__name__}$"):
+        cls(wrong)
+
+
+def test_a_new_model_keeps_its_config_and_has_no_tokenizer_yet():
+    config = pf.BertConfig(**BERT_TINY)
+    model = pf.BertForSequenceClassification(config)
+    assert model.config is config and model.tokenizer is None
+
+
+def test_a_model_too_big_for_the_memory_is_refused_naming_the_field_before_it_is_built():
+    tiny = dict(vocab_size=50, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32, pos_encoding="rope")
+    limit = 2 * memory.model_bytes(pf.GPTConfig(**tiny))
+    for field, value in (("n_layers", 12), ("vocab_size", 5000), ("d_ff", 2000), ("d_model", 512),
+                         ("block_size", 10**4)):
+        config = pf.GPTConfig(**{**tiny, field: value})
+        message = rf"^{field}={value}: the model needs ~[\d.]+ [kM]B for its parameters and buffers, more than the "
+        with memory.memory_limit(limit), pytest.raises(memory.MemoryBudgetError, match=message + r".* kB allowed$"):
+            pf.GPT(config)
+    with memory.memory_limit(memory.model_bytes(pf.BertConfig(**BERT_TINY), family="bert")):
+        pf.BertModel(pf.BertConfig(**BERT_TINY))  # exactly enough
+        with pytest.raises(ValueError, match=r"^n_labels=3000: the model needs"):
+            pf.BertForSequenceClassification(pf.BertConfig(**{**BERT_TINY, "n_labels": 3000}))
+        with pytest.raises(ValueError, match=r"^the model needs"):  # the MLM head is more; no size is large
+            pf.BertForMaskedLM(pf.BertConfig(**BERT_TINY))
+    with memory.memory_limit(memory.model_bytes(pf.TransformerConfig(**SEQ2SEQ_TINY))):
+        with pytest.raises(ValueError, match=r"^n_encoder_layers=3: the model needs"):
+            pf.Transformer(pf.TransformerConfig(**SEQ2SEQ_TINY, n_encoder_layers=3))
+
+
+def test_nothing_is_refused_on_the_meta_device():
+    with memory.memory_limit(1), torch.device("meta"):
+        assert pf.GPT(pf.GPTConfig(**GPT_TINY)).token_embedding.weight.is_meta
+
+
+# ----------------------------------------------------------------------------- counting
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4, bias=False)
+
+
+class _Net(nn.Module):
+    """An embedding (10 x 4), one block (4 x 8 + 8, 8 x 4), a head tied to the embedding, a 3 x 3 buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList([_Block()])
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embedding.weight
+        self.register_buffer("mask", torch.ones(3, 3))
+
+
+def test_each_tensor_is_counted_once_and_the_blocks_linear_weights_are_the_hidden_matrices():
+    net = _Net()
+    assert [p.shape for p in block_matrices(net)] == [(8, 4), (4, 8)]
+    assert count(net) == saved.Footprint(parameters=40 + 32 + 8 + 32, block_matrices=64, tensors=5,
+                                         buffer_bytes=9 * 4)
+
+
+def test_a_layer_named_in_times_counts_as_many_times_at_any_depth():
+    wrapped = nn.Module()
+    wrapped.inner = _Net()
+    expected = saved.Footprint(parameters=40 + 3 * 72, block_matrices=3 * 64, tensors=1 + 3 * 3 + 1, buffer_bytes=36)
+    assert count(_Net(), {"blocks.0": 3}) == expected
+    assert count(wrapped, {"blocks.0": 3}) == expected
+
+
+def test_a_vocabulary_the_data_decides_later_counts_as_none():
+    """A tied GPT's parameters grow by d_model per token of the vocabulary, so that of vocab_size=0 is
+    what a built model of vocab_size V holds less V · d_model."""
+    built = pf.GPT(pf.GPTConfig(**GPT_TINY))
+    unknown = pf.GPT.footprint(saved.unchecked(pf.GPTConfig(**GPT_TINY), vocab_size=0))
+    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
+    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - V * d
+    assert unknown.tensors == len(list(built.parameters())) + len(list(built.buffers()))
+
+
+def test_an_unchecked_copy_changes_only_the_copy():
+    config = pf.GPTConfig(**GPT_TINY)
+    copy = saved.unchecked(config, n_layers=0)
+    assert (copy.n_layers, config.n_layers) == (0, GPT_TINY["n_layers"])
+
+
+# ----------------------------------------------------------------------------- the classes, by family
+
+def test_a_class_is_found_by_its_family_or_by_its_configs_type():
+    bert = pf.BertConfig(**BERT_TINY)
+    assert model_class(bert) is pf.BertModel and model_class(bert, "bert-mlm") is pf.BertForMaskedLM
+    assert model_class(pf.GPTConfig(**GPT_TINY)) is pf.GPT
+    assert model_class(pf.TransformerConfig(**SEQ2SEQ_TINY)) is pf.Transformer
+    with pytest.raises(ValueError, match=r"^family must be one of bert, bert-mlm, bert-cls, gpt, transformer for a "
+                                         r"GPTConfig, got 'llama'$"):
+        model_class(pf.GPTConfig(**GPT_TINY), "llama")
+
+
+def test_a_new_class_naming_a_family_is_found_by_it_and_the_first_of_a_name_stays(monkeypatch):
+    monkeypatch.setattr(saved, "_CLASSES", dict(saved._CLASSES))  # the registry as it was, after the test
+
+    class Toy(SavedModel):
+        family = "toy"
+        config_class = pf.GPTConfig
+
+    class ToyAgain(Toy):
+        family = "toy"
+
+    config = pf.GPTConfig(**GPT_TINY)
+    assert model_class(config, "toy") is Toy
+    assert model_class(config) is pf.GPT  # the first class of a GPTConfig
+
+
+# ----------------------------------------------------------------------------- from a checkpoint
+
+@pytest.fixture
+def gpt_checkpoint(tmp_path):
+    model = pf.GPT(pf.GPTConfig(**GPT_TINY))
+    return pf.save_checkpoint(tmp_path / "ckpt", model=model, family="gpt", model_config=model.config.to_dict())
+
+
+def test_a_checkpoint_of_another_family_is_refused_naming_both(gpt_checkpoint):
+    with pytest.raises(CheckpointError, match=r"holds a 'gpt' model, not a BertModel \('bert'\)$"):
+        pf.BertModel.from_checkpoint(gpt_checkpoint)
+
+
+def test_a_config_describing_more_parameters_than_the_weights_hold_is_refused_before_building(gpt_checkpoint):
+    checkpoint = load_checkpoint(gpt_checkpoint)
+    check_stored_parameters(checkpoint, pf.GPTConfig(**GPT_TINY))  # as saved: nothing to say
+    stored = sum(p.numel() for p in pf.GPT(pf.GPTConfig(**GPT_TINY)).parameters())
+    with pytest.raises(CheckpointError, match=rf"config\.json describes a model of [\d,]+ parameters but .*model\."
+                                              rf"safetensors holds {stored:,} values: they do not belong together$"):
+        check_stored_parameters(checkpoint, pf.GPTConfig(**{**GPT_TINY, "n_layers": 100_000}))

@@ -1,0 +1,69 @@
+"""Where this process sits in a launch, and `log` (launch.py): torchrun's RANK / WORLD_SIZE / LOCAL_RANK,
+an initialised process group over them, and the one line on stderr that only the main process writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from plainformer.launch import Launch, current_launch, is_main_process, launch_from_env, log
+
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """Sets torchrun's variables for the test (none set before it)."""
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_launch(rank: int, world_size: int, local_rank: int) -> None:
+        for name, value in zip(TORCHRUN, (rank, world_size, local_rank), strict=True):
+            monkeypatch.setenv(name, str(value))
+
+    return set_launch
+
+
+def test_one_process_is_the_main_one():
+    assert Launch() == Launch(rank=0, world_size=1, local_rank=0) and Launch().is_main
+
+
+def test_launch_is_read_from_torchruns_environment():
+    assert launch_from_env({}).world_size == 1
+    launch = launch_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.is_main) == (3, 8, 1, False)
+    with pytest.raises(ValueError, match="RANK=8, WORLD_SIZE=8"):
+        launch_from_env({"RANK": "8", "WORLD_SIZE": "8", "LOCAL_RANK": "0"})
+    with pytest.raises(ValueError, match="integer RANK"):
+        launch_from_env({"WORLD_SIZE": "2"})
+
+
+def test_the_local_rank_defaults_to_the_rank_and_is_never_negative():
+    assert launch_from_env({"RANK": "2", "WORLD_SIZE": "4"}) == Launch(2, 4, 2)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=-1: need WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and "):
+        launch_from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"})
+    with pytest.raises(ValueError, match=r"RANK=0, WORLD_SIZE=0"):
+        launch_from_env({"RANK": "0", "WORLD_SIZE": "0"})
+
+
+def test_log_writes_one_line_to_stderr_and_nothing_to_stdout(environ, capsys):
+    log("step 1: loss 2.5")
+    assert capsys.readouterr() == ("", "step 1: loss 2.5\n")
+
+
+@pytest.mark.parametrize("rank, written", [(0, "a line\n"), (1, "")])
+def test_under_torchrun_only_rank_zero_logs(rank, written, environ, capsys):
+    environ(rank, 2, rank)
+    assert is_main_process() == (rank == 0)
+    log("a line")
+    assert capsys.readouterr() == ("", written)
+
+
+def test_an_initialised_process_group_decides_rank_and_size_the_environment_the_local_rank(environ, tmp_path):
+    environ(2, 4, 1)
+    assert current_launch() == Launch(2, 4, 1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert current_launch() == Launch(0, 1, 1) and is_main_process()
+    finally:
+        dist.destroy_process_group()

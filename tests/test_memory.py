@@ -1,0 +1,145 @@
+"""The memory this process may use and refusing what would not fit it (memory.py): the machine's
+MemAvailable lowered by RLIMIT_AS, a --max-memory limit in its place, a refusal naming the size to blame,
+and sizes written and read (20.1 GB, 512MiB)."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+
+import pytest
+
+import plainformer as pf
+from plainformer import memory
+from plainformer.models.memory import training_bytes
+from plainformer.training.config import TrainConfig
+from tests.reference.tiny_models import GPT_TINY
+
+
+@dataclasses.dataclass
+class Job:
+    """A config whose bytes are rows · width · 1000 (hand-checkable), with a field of no default size."""
+
+    rows: int = 1
+    width: int = 4
+    name: str = "job"
+    cap: int | None = None
+
+
+def _job_bytes(job: Job) -> int:
+    return job.rows * job.width * 1000 + (job.cap or 0)
+
+
+# ----------------------------------------------------------------------------- refusing
+
+def test_an_estimate_that_fits_is_returned():
+    with memory.memory_limit(10**6):
+        assert memory.check_memory("it needs ~{needed}", _job_bytes, Job(rows=250)) == 10**6
+
+
+def test_a_refusal_names_the_field_whose_default_lowers_the_estimate_most():
+    with memory.memory_limit(10**6), pytest.raises(
+            memory.MemoryBudgetError, match=r"^rows=1000: it needs ~10\.0 MB, more than the 1\.0 MB allowed$"):
+        memory.check_memory("it needs ~{needed}", _job_bytes, Job(rows=1000, width=10))  # rows=1: 10 kB, width=4: 4 MB
+    with memory.memory_limit(10**6), pytest.raises(memory.MemoryBudgetError, match=r"^width=10000: "):
+        memory.check_memory("it needs ~{needed}", _job_bytes, Job(rows=100, width=10**4))  # width=4: 400 kB
+
+
+def test_a_refusal_blames_no_field_when_none_is_above_its_default():
+    assert issubclass(memory.MemoryBudgetError, ValueError)
+    with memory.memory_limit(10**6), pytest.raises(
+            memory.MemoryBudgetError, match=r"^it needs ~4\.0 MB, more than the 1\.0 MB allowed$"):
+        memory.check_memory("it needs ~{needed}", lambda job: 4 * 10**6, Job())
+
+
+def test_a_field_of_default_none_is_blamed_when_clearing_it_lowers_the_estimate():
+    with memory.memory_limit(10**6), pytest.raises(memory.MemoryBudgetError, match=r"^cap=5000000: "):
+        memory.check_memory("it needs ~{needed}", _job_bytes, Job(cap=5 * 10**6))
+
+
+def test_a_training_refusal_names_the_batch_size_when_it_is_to_blame():
+    config = pf.GPTConfig(**GPT_TINY)
+
+    def estimate(model_config, train):
+        return training_bytes(model_config, train.batch_size, eval_batch_size=train.eval_batch_size)
+
+    with memory.memory_limit(10**9):
+        assert memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig()) < 10**9
+        for field in ("batch_size", "eval_batch_size"):
+            with pytest.raises(memory.MemoryBudgetError, match=rf"^{field}=100000000: training needs ~.* TB, "
+                                                               r"more than the 1\.0 GB allowed$"):
+                memory.check_memory("training needs ~{needed}", estimate, config, TrainConfig(**{field: 10**8}))
+
+
+def test_what_the_process_holds_already_counts_towards_the_machines_memory(monkeypatch):
+    monkeypatch.setattr(memory, "_machine_available", lambda: 10**6)
+    assert memory.check_memory("it needs ~{needed}", _job_bytes, Job(rows=275), held=10**5) == 11 * 10**5
+    with pytest.raises(memory.MemoryBudgetError, match=r"more than the 1\.1 MB available$"):
+        memory.check_memory("it needs ~{needed}", _job_bytes, Job(rows=276), held=10**5)
+    assert memory.available_phrase(held=10**5) == "the 1.1 MB available"
+    with memory.memory_limit(10**6):
+        assert memory.available_phrase(held=10**5) == "the 1.0 MB allowed"  # a limit is the whole budget
+
+
+# ----------------------------------------------------------------------------- the memory available
+
+def test_meminfo_reads_a_kilobyte_line_of_a_proc_file(tmp_path):
+    status = tmp_path / "meminfo"
+    status.write_text("MemTotal:       16318412 kB\nMemAvailable:    9876 kB\nOdd: x kB\n")
+    assert memory._meminfo(str(status), "MemAvailable") == 9876 * 1024
+    assert memory._meminfo(str(status), "Mem") is None  # a key is matched whole
+    assert memory._meminfo(str(status), "Odd") is None
+    assert memory._meminfo(str(tmp_path / "absent"), "MemAvailable") is None
+
+
+def test_without_meminfo_the_free_pages_are_the_memory_available(monkeypatch):
+    monkeypatch.setattr(memory, "_meminfo", lambda path, key: None)
+    monkeypatch.setattr(memory, "_sysconf_bytes", lambda name: 12345 * 4096)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert memory.available_memory() == 12345 * 4096
+    monkeypatch.setattr(memory, "_sysconf_bytes", lambda name: None)
+    assert memory.available_memory() == 2**63  # nothing known: nothing refused
+
+
+def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
+    machine = memory.available_memory()
+    assert machine > 0
+    vm_size = memory._meminfo("/proc/self/status", "VmSize")
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (vm_size + 10**6, resource.RLIM_INFINITY))
+    assert memory.available_memory() <= 10**6 + 4096  # what the limit leaves, give or take a page grown since
+    assert memory.available_memory(held=5) == memory.available_memory() + 5
+    with memory.memory_limit(123):
+        assert memory.available_memory(held=5) == 123  # a limit is the whole budget
+        with memory.memory_limit(None):
+            assert memory.available_memory() == 123
+    assert memory.available_memory() <= 10**6 + 4096
+    with pytest.raises(ValueError, match="limit must be a positive integer, got 0"), memory.memory_limit(0):
+        pass
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, size", [
+    ("64GB", 64 * 10**9), ("512MiB", 512 * 2**20), ("1.5 TB", 1_500_000_000_000), ("800k", 800_000),
+    ("100", 100), ("2gib", 2 * 2**30), ("3 B", 3), (".5K", 500)])
+def test_a_size_is_parsed_in_decimal_or_binary_units(text, size):
+    assert memory.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GB", "-1GB", "1e9", "1.5XB", "0", "0.4", "nan", "1 GB 2"])
+def test_a_bad_size_is_refused(text):
+    with pytest.raises(ValueError, match="size"):
+        memory.parse_size(text)
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B")])
+def test_a_size_is_written_for_a_reader(nbytes, text):
+    assert memory.format_size(nbytes) == text
+
+
+@pytest.mark.parametrize("text", ["0", "0.4", "12XB"])
+def test_a_bad_size_message_quotes_what_was_given(text):
+    with pytest.raises(ValueError, match=rf", got {text!r}$"):
+        memory.parse_size(text)
