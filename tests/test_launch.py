@@ -1,12 +1,18 @@
-"""Where this process sits in a launch, and `log` (launch.py): torchrun's RANK / WORLD_SIZE / LOCAL_RANK,
-an initialised process group over them, and the one line on stderr that only the main process writes."""
+"""Where this process sits in a launch, `log` and `process_seconds` (launch.py): torchrun's RANK / WORLD_SIZE /
+LOCAL_RANK, an initialised process group over them, the one line on stderr that only the main process writes,
+and how long this process has run."""
 
 from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
-from plainformer.launch import Launch, current_launch, is_main_process, launch_from_env, log
+from plainformer.launch import Launch, current_launch, is_main_process, launch_from_env, log, process_seconds
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -67,3 +73,27 @@ def test_an_initialised_process_group_decides_rank_and_size_the_environment_the_
         assert current_launch() == Launch(0, 1, 1) and is_main_process()
     finally:
         dist.destroy_process_group()
+
+
+def test_process_seconds_count_from_the_start_of_the_interpreter():
+    # A child that sleeps 0.5 s before it imports anything, then reads its own age: /proc's ticks are 10 ms.
+    code = "import time; time.sleep(0.5); from plainformer.launch import process_seconds; print(process_seconds())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert 0.5 <= float(done.stdout) < 60
+
+
+def test_process_seconds_grow_with_the_wall_clock():
+    import time
+
+    first = process_seconds()
+    time.sleep(0.05)
+    assert first is not None and process_seconds() >= first + 0.04
+
+
+def test_without_proc_the_age_is_unknown(monkeypatch):
+    def no_proc(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert process_seconds() is None

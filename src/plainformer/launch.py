@@ -1,5 +1,6 @@
-"""Where this process sits in a launch, and `log`, the line on stderr that only one process of a
-launch writes: what every layer may use, from the models up to the command line.
+"""Where this process sits in a launch, `log`, the line on stderr that only one process of a launch
+writes, and how long this process has run: what every layer may use, from the models up to the command
+line.
 
 A process started by `torchrun` has RANK, WORLD_SIZE and LOCAL_RANK in its environment; once the
 training initialises torch.distributed's process group (training/distributed.py), the group says. Rank 0,
@@ -54,6 +55,19 @@ def log(message: str) -> None:
     """A line on stderr, from rank 0 only under torchrun."""
     if is_main_process():
         print(message, file=sys.stderr, flush=True)
+
+
+def process_seconds() -> float | None:
+    """Wall seconds since this process started (its interpreter's start, before any import), from
+    /proc/self/stat's start time in clock ticks since boot; None where there is no /proc (not Linux)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            # Fields after the command name, which is in parentheses and may hold spaces: starttime is the 22nd.
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(since_boot - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
 def current_launch() -> Launch:

@@ -11,8 +11,10 @@ import yaml
 
 from plainformer import recipes
 from plainformer.cli import build_parser
+from plainformer.cli import train as train_cli
 from plainformer.cli.train import resolve
 from plainformer.families import resolve as families_resolve
+from plainformer.training import precision
 
 FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape's threshold but the last
 
@@ -20,8 +22,10 @@ FAST, SLOW = 1e15, 1e9  # matmul rates, FLOP/s: faster and slower than any shape
 @pytest.fixture(autouse=True)
 def probe(monkeypatch):
     """The machine's measured matmul rate as the shape choice sees it (a fast machine unless set), and
-    the list of the probes made."""
+    the list of the probes made. The CPU is one whose dtype "auto" is float32 (no AMX, slow bf16)."""
     measured, rates = [FAST], []
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.5)
 
     def matmul_rate(dtype, seconds):
         rates.append(measured[0])
@@ -138,3 +142,17 @@ def test_shapes_must_run_from_the_fastest_machines_to_any():
         dataclasses.replace(default, shapes=(dataclasses.replace(shape, min_gflops=1.0),))
     with pytest.raises(ValueError, match=r"got min_gflops \[0.0, 5.0\]"):
         dataclasses.replace(default, shapes=(shape, dataclasses.replace(shape, min_gflops=5.0)))
+
+
+def test_the_metrics_gain_the_processes_setup_seconds_and_its_age(monkeypatch):
+    monkeypatch.setattr(train_cli, "process_seconds", lambda: 10.0)
+    metrics = {"step": 3, "seconds": {"steps": 5.0, "evaluation": 1.0, "other": 0.5}}
+    assert train_cli.with_setup_seconds(metrics)["seconds"] == {
+        "setup": 3.5, "steps": 5.0, "evaluation": 1.0, "other": 0.5, "process": 10.0}
+    assert metrics["seconds"] == {"steps": 5.0, "evaluation": 1.0, "other": 0.5}  # not changed in place
+
+
+def test_without_the_processes_age_the_metrics_stay_as_the_trainer_gave_them(monkeypatch):
+    monkeypatch.setattr(train_cli, "process_seconds", lambda: None)
+    metrics = {"step": 3, "seconds": {"steps": 5.0}}
+    assert train_cli.with_setup_seconds(metrics) == metrics

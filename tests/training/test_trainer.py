@@ -274,6 +274,10 @@ def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):
     assert metrics["best_val_loss"] == min(loss for _, loss in val)
     assert [step for step, _ in read_metrics(tmp_path, "train_loss")] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert metrics["tokens_per_s"] > 0 and metrics["elapsed_s"] > 0
+    seconds = metrics["seconds"]  # the session's wall time by phase, every phase of this run present
+    assert set(seconds) == {"steps", "evaluation", "checkpoints", "logging", "plots", "other"}
+    assert min(seconds.values()) >= 0 and seconds["steps"] > 0 and seconds["evaluation"] > 0
+    assert sum(seconds.values()) == pytest.approx(metrics["elapsed_s"], abs=0.05)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last, best = load_checkpoint(tmp_path / "last"), load_checkpoint(tmp_path / "best")
     assert last.trainer_state["step"] == 40 and last.has_optimizer_state

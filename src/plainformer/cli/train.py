@@ -40,6 +40,7 @@ from ..families.resolve import (
     refuse_changes,
     resolve_run,
 )
+from ..launch import process_seconds
 from ..nn.lora import TARGETS
 from ..training.config import TrainConfig
 from . import (
@@ -231,4 +232,15 @@ def run_train(args: argparse.Namespace, default_preset: str, fine_tuning: bool =
     check_training_memory(run)  # before any data is prepared or the run directory made
     set_threads(run.options.get("threads"))
     assert run.family.train is not None  # a recipe's family trains
-    return run.family.train(run)
+    return with_setup_seconds(run.family.train(run))
+
+
+def with_setup_seconds(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's metrics with the process's side of its time: seconds["setup"], what the process spent
+    outside the training session (imports, data, building the model), and seconds["process"], its wall
+    seconds until now (what is left of a run's wall is the exit)."""
+    process, seconds = process_seconds(), metrics.get("seconds")
+    if process is None or seconds is None:
+        return metrics
+    return {**metrics, "seconds": {"setup": max(process - sum(seconds.values()), 0.0), **seconds,
+                                   "process": process}}

@@ -1,5 +1,6 @@
 """The Trainer's bookkeeping: a Ctrl-C that asks for a clean stop, the clock of training steps, the
-losses and tokens since the last log line, and metrics.jsonl cut back to a resumed step."""
+seconds of everything else a run does, the losses and tokens since the last log line, and metrics.jsonl
+cut back to a resumed step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,26 @@ class Stopwatch:
                 torch.cuda.synchronize(self.device)
             self.total += time.perf_counter() - self._since
             self._since = None
+
+
+class Phases:
+    """Wall seconds a session spends in each named phase outside the steps (evaluation, checkpoints,
+    logging), so that a run can say where its time went."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def breakdown(self, steps: float, session: float) -> dict[str, float]:
+        """{"steps": steps, each phase's seconds, "other": the rest of the `session`'s seconds}."""
+        return {"steps": steps, **self.seconds, "other": max(session - steps - sum(self.seconds.values()), 0.0)}
 
 
 class LogWindow:

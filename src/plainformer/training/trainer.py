@@ -34,7 +34,7 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.lora import adapter_state_names
 from ..nn.modes import eval_mode
-from .bookkeeping import InterruptRequest, LogWindow, Stopwatch, keep_metrics_until
+from .bookkeeping import InterruptRequest, LogWindow, Phases, Stopwatch, keep_metrics_until
 from .config import TrainConfig
 from .distributed import Distributed, process_group
 from .moe_stats import MoEStats, plot_expert_load
@@ -159,6 +159,7 @@ class Trainer:
         # read where the loop reads the device anyway: logging, evaluating, saving.
         self._first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.device)
         self._eval_seconds = 0.0  # this session's evaluations (and saves of best/)
+        self._phases = Phases()  # this session's seconds outside the steps
         self.planner = StepPlanner.from_config(config, lambda: (self._elapsed(), self._eval_seconds))
         self._set_state(TrainerState.fresh())
         if resume is True:
@@ -277,8 +278,9 @@ class Trainer:
 
     def fit(self, on_locked: Callable[[], Any] | None = None) -> dict[str, Any]:
         """Train up to `max_steps` (or `max_time`); returns step, train_loss, val_loss, best_val_loss,
-        dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s
-        and stopped_by.
+        dtype (the one trained in), tokens_per_s (input tokens per second of training steps), elapsed_s,
+        stopped_by and seconds: this session's wall time by phase (steps, evaluation, checkpoints,
+        logging, plots, other).
         Raises TrainingInterrupted after Ctrl-C, with `last/` saved. The run directory is locked
         meanwhile: a second run on it raises RunDirectoryBusy. `on_locked` (rank 0 only) runs once the
         lock is held, before training: to write files of the run that a refused run must not touch."""
@@ -297,6 +299,7 @@ class Trainer:
             keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
+        self._phases = Phases()
         watch, window = Stopwatch(self.device), LogWindow(self.device, self._loss_dtype, **self._unlogged)
         self._window = window
         stopped_by, grad_norm = "max_steps", None
@@ -338,9 +341,11 @@ class Trainer:
             if not self._last_is_current:
                 self._save_last()
         self._plot()
+        seconds = self._phases.breakdown(watch.total, time.perf_counter() - self._session_start)
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
                 "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
-                "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by}
+                "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by,
+                "seconds": seconds}
 
     def _fit_steps_to_time(self, bar: tqdm) -> None:
         """Set max_steps as fit_to_time's planner says (planner.py); the ranks agree on their mean."""
@@ -362,6 +367,10 @@ class Trainer:
     def _plot(self) -> None:
         if not self.dist.is_main:
             return
+        with self._phases.timing("plots"):
+            self._plot_now()
+
+    def _plot_now(self) -> None:
         plot_loss_curve(self.metrics_path, self.out_dir / "loss.png")
         if self.moe_stats:
             plot_expert_load(self.metrics_path, self.out_dir / "expert_load.png")
@@ -388,6 +397,11 @@ class Trainer:
 
     def _log_train(self, window: LogWindow, train_seconds: float, grad_norm: Tensor | None,
                    bar: tqdm) -> None:
+        with self._phases.timing("logging"):
+            self._log_train_now(window, train_seconds, grad_norm, bar)
+
+    def _log_train_now(self, window: LogWindow, train_seconds: float, grad_norm: Tensor | None,
+                       bar: tqdm) -> None:
         self._stop_if_diverged()
         self.train_loss, tokens_per_s = window.flush(train_seconds, self.dist.mean)
         self._last_is_current = False
@@ -402,7 +416,8 @@ class Trainer:
     def _evaluate_and_keep_best(self) -> None:
         self._stop_if_diverged()
         start = time.perf_counter()
-        self.val_loss = self.evaluate()
+        with self._phases.timing("evaluation"):
+            self.val_loss = self.evaluate()
         self._evaluated_step, self._last_is_current = self.step, False
         self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
         if self.best_val_loss is None or self.val_loss < self.best_val_loss:
@@ -418,6 +433,10 @@ class Trainer:
 
     def _save(self, name: str, *, with_optimizer: bool) -> None:
         """Every rank gathers the full state and its RNG state to rank 0, which writes the checkpoint."""
+        with self._phases.timing("checkpoints"):
+            self._save_now(name, with_optimizer=with_optimizer)
+
+    def _save_now(self, name: str, *, with_optimizer: bool) -> None:
         model_state = self.dist.model_state_dict()
         if self._saved_names is not None:
             model_state = {name: model_state[name] for name in self._saved_names}
