@@ -120,6 +120,7 @@ def test_newton_schulz_in_float32_matches_float64_by_hand(shape):
 @pytest.mark.parametrize("amx, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_newton_schulz_runs_in_bf16_only_where_bf16_matmuls_are_native(monkeypatch, amx, expected):
     monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.5)  # without AMX: a Xeon's slow bf16
     _, muon = make_optimizer(tiny_gpt(tie_weights=True), muon_config()).optimizers
     assert muon.ns_dtype == expected
 
@@ -127,6 +128,7 @@ def test_newton_schulz_runs_in_bf16_only_where_bf16_matmuls_are_native(monkeypat
 @pytest.mark.parametrize("amx", [True, False])
 def test_newton_schulz_of_a_float64_model_runs_in_float64(monkeypatch, amx):
     monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.5)  # without AMX: a Xeon's slow bf16
     _, muon = make_optimizer(tiny_gpt(tie_weights=True).double(), muon_config()).optimizers
     assert muon.ns_dtype == torch.float64
 

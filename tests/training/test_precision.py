@@ -13,20 +13,54 @@ from plainformer.models.bert import BertConfig, BertForMaskedLM
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.training import precision
 from plainformer.training.config import TrainConfig
-from plainformer.training.precision import MIN_BF16_WIDTH, model_width, resolve_dtype
+from plainformer.training.precision import MIN_BF16_SPEEDUP, MIN_BF16_WIDTH, model_width, resolve_dtype
 from plainformer.training.trainer import Trainer
 from tests.training.test_trainer import CountingTokens, TinyConfig, TinyLM, small_config
+
+NO_AMX_SLOW_BF16 = "no AMX on this CPU; bf16 matmuls measured 0.50x fp32's"
 
 
 @pytest.fixture
 def amx(monkeypatch):
-    """Set what the AMX probe reports: amx(True) or amx(False)."""
-    return lambda present: monkeypatch.setattr(precision, "cpu_has_amx", lambda: present)
+    """Set what the CPU probes report: amx(True) or amx(False), and without AMX the measured bf16 / fp32
+    matmul speedup (default 0.5: a Xeon's AVX-512-BF16, issue 12)."""
+    def set_probes(present: bool, bf16_speedup: float = 0.5) -> None:
+        monkeypatch.setattr(precision, "cpu_has_amx", lambda: present)
+        monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: bf16_speedup)
+    return set_probes
 
 
-def test_auto_is_float32_on_a_cpu_without_amx(amx):
+def test_auto_is_float32_on_a_cpu_without_amx_whose_bf16_is_slow(amx):
     amx(False)
-    assert resolve_dtype("auto", torch.device("cpu")) == ("float32", "no AMX on this CPU")
+    assert resolve_dtype("auto", torch.device("cpu")) == ("float32", NO_AMX_SLOW_BF16)
+
+
+@pytest.mark.parametrize("speedup, expected", [
+    (MIN_BF16_SPEEDUP, ("bfloat16", "no AMX, but bf16 matmuls measured 1.5x fp32's on this CPU")),
+    (1.9, ("bfloat16", "no AMX, but bf16 matmuls measured 1.9x fp32's on this CPU")),
+    (1.49, ("float32", "no AMX on this CPU; bf16 matmuls measured 1.49x fp32's")),
+    (0.01, ("float32", "no AMX on this CPU; bf16 matmuls measured 0.01x fp32's")),
+])
+def test_auto_without_amx_takes_bfloat16_where_its_matmuls_measure_fast_enough(amx, speedup, expected):
+    amx(False, speedup)
+    assert resolve_dtype("auto", "cpu") == expected
+
+
+def test_the_bf16_speedup_is_the_ratio_of_the_measured_rates_taken_once(monkeypatch):
+    calls = []
+
+    def rate(dtype, device="cpu", size=1024, seconds=0.1):
+        calls.append((dtype, size))
+        return {torch.bfloat16: 360e9, torch.float32: 180e9}[dtype]
+
+    monkeypatch.setattr(precision, "matmul_rate", rate)
+    precision.cpu_bf16_speedup.cache_clear()
+    try:
+        assert precision.cpu_bf16_speedup() == 2.0
+        assert precision.cpu_bf16_speedup() == 2.0
+    finally:
+        precision.cpu_bf16_speedup.cache_clear()
+    assert calls == [(torch.bfloat16, 256), (torch.float32, 256)]
 
 
 def test_auto_is_bfloat16_on_a_cpu_with_amx(amx):
@@ -69,7 +103,7 @@ def test_auto_is_the_default_dtype():
 
 
 @pytest.mark.parametrize("present, d_model, expected, reason", [
-    (False, MIN_BF16_WIDTH, "float32", "no AMX on this CPU"),
+    (False, MIN_BF16_WIDTH, "float32", NO_AMX_SLOW_BF16),
     (True, MIN_BF16_WIDTH, "bfloat16", "AMX on this CPU"),
     (True, 8, "float32", "d_model 8 too narrow for bf16 to pay on a CPU"),
 ])
@@ -110,7 +144,7 @@ def test_forced_bfloat16_where_it_is_not_native_warns_once_with_the_measured_slo
 
     assert metrics["dtype"] == "bfloat16" and metrics["step"] == 2  # the run goes on
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: bfloat16")]
-    expected = ["warning: bfloat16 is not native here (no AMX on this CPU): its matmuls ran at 1.0 GFLOP/s "
+    expected = [f"warning: bfloat16 is not native here ({NO_AMX_SLOW_BF16}): its matmuls ran at 1.0 GFLOP/s "
                 "against 147 in float32 (147.0x slower); training goes on (--dtype float32 or auto trains in "
                 "float32)"]
     assert warnings == (expected if warned else [])

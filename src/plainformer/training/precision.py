@@ -1,10 +1,13 @@
 """Which dtype a run trains in: `TrainConfig.dtype` "auto" becomes bfloat16 only where bf16 matmuls
 are natively fast, float32 everywhere else.
 
-bf16 autocast pays only when the hardware multiplies bf16 faster than fp32: on a CPU that means AMX
-tiles (Sapphire Rapids and later); AVX-512-BF16 alone converts and multiplies at about half the fp32
-rate (issue 12: 193 vs 386 GFLOP/s on a 2-core Xeon without AMX). On CUDA it means a device with
-native bf16 (compute capability 8.0+), not the emulation torch offers on older ones.
+bf16 autocast pays only when the hardware multiplies bf16 faster than fp32. On a CPU with AMX tiles
+(Sapphire Rapids and later) it always does. Without AMX it depends on the CPU, so it is measured
+(`cpu_bf16_speedup`, once per process, ~0.2 s): AVX-512-BF16 ran at about half the fp32 rate on a 2-core
+Xeon (issue 12: 193 vs 386 GFLOP/s) but at 1.9x it on a 2-core AMD EPYC (Zen 4: 367 vs 197 at 256³),
+and an AVX2-only CPU emulates bf16 at ~1 GFLOP/s. bf16 is taken where it measures at least
+MIN_BF16_SPEEDUP times fp32's rate. On CUDA it means a device with native bf16 (compute capability
+8.0+), not the emulation torch offers on older ones.
 
 On a CPU it also takes matmuls wide enough to outweigh the casts autocast adds around each of them: a
 model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even with AMX. Measured on a
@@ -14,18 +17,29 @@ model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 from torch import nn
 
 MIN_BF16_WIDTH = 128
+#: Without AMX, bf16 autocast is taken where bf16 matmuls measure at least this many times the fp32 rate: the
+#: casts it adds eat part of the gain (nanogpt-cpu's step, d_model 128, on the 1.9x AMD EPYC: 0.78-0.90x fp32's).
+MIN_BF16_SPEEDUP = 1.5
 
 
 def cpu_has_amx() -> bool:
     """True when this CPU has AMX tiles, the units that make bf16 matmuls faster than fp32."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe()) if probe is not None else False
+
+
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """bf16 / fp32 throughput of this CPU's 256 x 256 matmuls, measured once per process (256: an
+    emulated bf16 at ~1 GFLOP/s takes milliseconds per product, not seconds)."""
+    return matmul_rate(torch.bfloat16, size=256) / matmul_rate(torch.float32, size=256)
 
 
 def cuda_has_bf16(device: torch.device) -> bool:
@@ -43,7 +57,12 @@ def native_bf16(device: torch.device | str) -> tuple[bool, str]:
     """Whether `device` multiplies bf16 natively (faster than fp32), and why, for the log."""
     device = torch.device(device)
     if device.type == "cpu":
-        return (True, "AMX on this CPU") if cpu_has_amx() else (False, "no AMX on this CPU")
+        if cpu_has_amx():
+            return True, "AMX on this CPU"
+        speedup = cpu_bf16_speedup()
+        if speedup >= MIN_BF16_SPEEDUP:
+            return True, f"no AMX, but bf16 matmuls measured {speedup:.1f}x fp32's on this CPU"
+        return False, f"no AMX on this CPU; bf16 matmuls measured {speedup:.2f}x fp32's"
     if device.type == "cuda":
         return ((True, "native bf16 on this CUDA device") if cuda_has_bf16(device)
                 else (False, "no native bf16 on this CUDA device"))
