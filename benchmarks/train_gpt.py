@@ -1,6 +1,7 @@
 """GPT training throughput against Hugging Face GPT-2 of the same shape (issue 3).
 
     python benchmarks/train_gpt.py [--repeats 5] [--steps 5] [--shapes nanogpt-cpu 6x384] [--dtypes fp32 bf16]
+                                   [--nanogpt DIR]
 
 One training step = forward with targets, backward, AdamW update, zero_grad, on a fixed random batch.
 Shapes: nanogpt-cpu (4 layers, 4 heads, d_model 128, d_ff 512, vocab 65, batch 12 x 64) and 6x384
@@ -10,6 +11,10 @@ their first losses (in the JSON line) agree. The peer is `transformers.GPT2LMHea
 (attn_implementation="sdpa") with a plain `torch.optim.AdamW`; ours is `plainformer.GPT` (attention
 backend "auto") with the optimizer our trainer builds by default (`training.make_optimizer`, the fused
 AdamW kernel), no torch.compile. fp32, and bf16 under torch.autocast on both sides.
+With `--nanogpt DIR` (a checkout of https://github.com/karpathy/nanoGPT, imported from there at run time,
+never copied here), nanoGPT's own `model.GPT` joins as a second peer with the same weights (its names are
+GPT-2's; its GELU is the exact one where the pair's is the tanh form) and the optimizer its
+`configure_optimizers` builds on a CPU (torch.optim.AdamW, not fused); ratio_nanogpt = ours / nanoGPT.
 
 Timing: both models start from the same weights and run on identical batches in this one process. Each
 is warmed up, then `--repeats` rounds each time `--steps` steps of ours and of the peer, alternating who
@@ -61,10 +66,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per model")
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--nanogpt", type=Path, default=None,
+                        help="a nanoGPT checkout: add its model.GPT as a second peer")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         parser.error("--repeats and --steps must be positive")
+    if args.nanogpt is not None and not (args.nanogpt / "model.py").is_file():
+        parser.error(f"--nanogpt {args.nanogpt}: no model.py there")
     return args
+
+
+def nanogpt_model(directory: Path, theirs: transformers.GPT2LMHeadModel, shape: dict) -> torch.nn.Module:
+    """nanoGPT's `model.GPT` from `directory`, with the weights of the Hugging Face GPT-2 `theirs`."""
+    sys.path.insert(0, str(directory))
+    try:
+        import model as nanogpt  # nanoGPT's model.py, from the user's checkout
+    finally:
+        sys.path.remove(str(directory))
+    config = nanogpt.GPTConfig(block_size=shape["block_size"], vocab_size=shape["vocab_size"],
+                               n_layer=shape["n_layers"], n_head=shape["n_heads"], n_embd=shape["d_model"],
+                               dropout=0.0, bias=True)
+    assert shape["d_ff"] == 4 * shape["d_model"], "nanoGPT's MLP is 4 x n_embd wide"
+    model = nanogpt.GPT(config)
+    conv1d = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+    hf = theirs.state_dict()
+    model.load_state_dict({name: hf[name].t() if name.endswith(conv1d) else hf[name]
+                           for name in model.state_dict() if not name.endswith(".attn.bias")}, strict=False)
+    return model.train()
 
 
 def matmul_peak() -> dict[str, float]:
@@ -106,10 +134,14 @@ def measure(name: str, shape: dict, dtype: str, args: argparse.Namespace) -> dic
         "peer": training_step(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3),
                               lambda m: m(idx, labels=targets, shift_labels=targets).loss, bf16),
     }
+    if args.nanogpt is not None:
+        nanogpt = nanogpt_model(args.nanogpt, theirs, shape)
+        optimizer = nanogpt.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+        steps["nanogpt"] = training_step(nanogpt, optimizer, lambda m: m(idx, targets)[1], bf16)
     first_loss = {who: step() for who, step in steps.items()}  # warm-up; also makes the optimizer state
     times: dict[str, list[float]] = {who: [] for who in steps}
     for round_ in range(args.repeats):
-        for who in (("ours", "peer") if round_ % 2 == 0 else ("peer", "ours")):
+        for who in (list(steps) if round_ % 2 == 0 else list(steps)[::-1]):
             start = time.perf_counter()
             for _ in range(args.steps):
                 steps[who]()
@@ -118,9 +150,13 @@ def measure(name: str, shape: dict, dtype: str, args: argparse.Namespace) -> dic
     tokens = batch * block * args.steps
     tokens_per_s = {who: tokens / statistics.median(ts) for who, ts in times.items()}
     flops = flops_per_step(ours, batch * block) * args.steps
+    nanogpt_figures = {} if args.nanogpt is None else {
+        "nanogpt_tokens_per_s": tokens_per_s["nanogpt"],
+        "ratio_nanogpt": tokens_per_s["ours"] / tokens_per_s["nanogpt"],
+        "nanogpt_peak_mib": peaks["nanogpt"] / 2**20}
     return {"shape": name, "dtype": dtype, "batch": f"{batch}x{block}",
             "ours_tokens_per_s": tokens_per_s["ours"], "peer_tokens_per_s": tokens_per_s["peer"],
-            "ratio": tokens_per_s["ours"] / tokens_per_s["peer"],
+            "ratio": tokens_per_s["ours"] / tokens_per_s["peer"], **nanogpt_figures,
             "ours_tflops": flops / statistics.median(times["ours"]) / 1e12,
             "peer_tflops": flops / statistics.median(times["peer"]) / 1e12,
             "ours_peak_mib": peaks["ours"] / 2**20, "peer_peak_mib": peaks["peer"] / 2**20,
@@ -152,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['shape']:<12} {row['dtype']:<5} {row['batch']:<7} {row['ours_tokens_per_s']:>11,.0f} "
               f"{row['peer_tokens_per_s']:>11,.0f} {row['ratio']:>5.2f}x {row['ours_mfu']:>8.1%} "
               f"{row['peer_mfu']:>8.1%} {row['ours_peak_mib']:>9.0f}/{row['peer_peak_mib']:<9.0f}")
-    print("ratio = ours / peer tokens/s (higher is better); MFU against the measured matmul peak of the dtype")
+        if "ratio_nanogpt" in row:
+            print(f"{'':<12} {'':<5} {'':<7} {'nanoGPT':>11} {row['nanogpt_tokens_per_s']:>11,.0f} "
+                  f"{row['ratio_nanogpt']:>5.2f}x {'':>9} {'':>9} {row['nanogpt_peak_mib']:>19.0f}")
+    print("ratio = ours / peer tokens/s (higher is better); MFU against the measured matmul peak of the dtype"
+          + ("; the nanoGPT line: its tokens/s and ours / nanoGPT's" if args.nanogpt else ""))
     print(json.dumps({"benchmark": "train_gpt", "threads": torch.get_num_threads(),
                       "peak_flops": peak, "peak_flops_before": before, "peak_flops_after": after,
                       "repeats": args.repeats, "steps": args.steps, "rows": rows}))
