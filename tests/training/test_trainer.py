@@ -534,3 +534,11 @@ def test_resuming_from_non_finite_weights_is_refused(tmp_path):
                     trainer_state={k: v for k, v in saved.trainer_state.items() if k != "rng"})
     with pytest.raises(CheckpointError, match=r"last holds NaN or infinite weights \(fc1\.weight\)"):
         Trainer(fresh_model(), CountingTokens(), small_config(max_steps=4), tmp_path, resume=True, progress=False)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compiled_run_says_once_what_its_first_step_cost(tmp_path, monkeypatch, capsys, compiled):
+    monkeypatch.setattr(torch, "compile", lambda module: module)  # the line, not inductor, is under test
+    train(tmp_path, max_steps=3, compile=compiled)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compile: the first step took")]
+    assert len(lines) == (1 if compiled else 0)

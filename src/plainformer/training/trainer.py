@@ -315,9 +315,13 @@ class Trainer:
                 watch.start()
                 loss, tokens, grad_norm = self._train_step()
                 self._watch_finite(loss, grad_norm)
-                if self._pauses_after_step() or interrupt.requested or not window.total_tokens:
+                first_step = not window.total_tokens
+                if self._pauses_after_step() or interrupt.requested or first_step:
                     watch.stop()  # window.add reads the clock after the session's first step
                 window.add(loss, tokens, watch.total)
+                if first_step and cfg.compile and self.dist.is_main:
+                    bar.write(f"compile: the first step took {watch.total:.1f} s (torch.compile builds its kernels, "
+                              "or loads those an earlier run cached)", file=sys.stderr)
                 bar.update(1)
                 if self.planner.step_taken(self.step):
                     watch.stop()
