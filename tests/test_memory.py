@@ -134,7 +134,8 @@ def test_a_bad_size_is_refused(text):
 
 
 @pytest.mark.parametrize("nbytes, text", [
-    (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B")])
+    (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B"),
+    (999_949, "999.9 kB"), (999_950, "1.0 MB"), (999_999_999, "1.0 GB"), (999_950 * 10**15, "1.0e+21 B")])
 def test_a_size_is_written_for_a_reader(nbytes, text):
     assert memory.format_size(nbytes) == text
 

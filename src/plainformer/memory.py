@@ -144,8 +144,10 @@ def format_size(nbytes: int) -> str:
     if nbytes < 1000:
         return f"{nbytes} B"
     exponent = min(int(math.log10(nbytes) // 3), len(_UNITS) - 1)
+    if round(nbytes / 1000 ** exponent, 1) >= 1000 and exponent < len(_UNITS) - 1:
+        exponent += 1  # 999,950 B rounds to 1000.0 kB: it is 1.0 MB
     value = nbytes / 1000 ** exponent
-    return f"{value:.1f} {_UNITS[exponent]}" if value < 1000 else f"{nbytes:.1e} B"
+    return f"{value:.1f} {_UNITS[exponent]}" if round(value, 1) < 1000 else f"{nbytes:.1e} B"
 
 
 def parse_size(text: str) -> int:
