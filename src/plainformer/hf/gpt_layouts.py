@@ -198,14 +198,21 @@ _ROTARY_ATTENTION = (("input_layernorm", "norm1", NORM),
                      ("post_attention_layernorm", "norm2", NORM))
 _ROTARY_OUTSIDE = (("model.embed_tokens", "token_embedding", EMBEDDING), ("model.norm", "norm", NORM))
 
-LLAMA = Layout(
-    model_type="llama", architecture="LlamaForCausalLM", base_prefix="model.",
-    modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
-    layer=(*_ROTARY_ATTENTION,
-           ("mlp.gate_proj", "ff.W_1", LINEAR),
-           ("mlp.up_proj", "ff.W_3", LINEAR),
-           ("mlp.down_proj", "ff.W_2", LINEAR)),
-    ignored_suffixes=(".rotary_emb.inv_freq",),
+
+def _rotary_layout(model_type: str, architecture: str, feed_forward: tuple[tuple[str, str, str], ...],
+                   **translation: Any) -> Layout:
+    """A Llama-family layout: the shared outside and attention names, and `feed_forward`'s."""
+    return Layout(model_type=model_type, architecture=architecture, base_prefix="model.",
+                  modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
+                  layer=(*_ROTARY_ATTENTION, *feed_forward), ignored_suffixes=(".rotary_emb.inv_freq",),
+                  **translation)
+
+
+LLAMA = _rotary_layout(
+    "llama", "LlamaForCausalLM",
+    (("mlp.gate_proj", "ff.W_1", LINEAR),
+     ("mlp.up_proj", "ff.W_3", LINEAR),
+     ("mlp.down_proj", "ff.W_2", LINEAR)),
     config_to_hf=_llama_config_to_hf, config_from_hf=_llama_config_from_hf)
 
 # What MixtralConfig assumes for a key its config.json leaves out, where Llama's differs.
@@ -274,15 +281,12 @@ def _per_expert(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return state
 
 
-MIXTRAL = Layout(
-    model_type="mixtral", architecture="MixtralForCausalLM", base_prefix="model.",
-    modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
-    layer=(*_ROTARY_ATTENTION,
-           ("block_sparse_moe.gate", "ff.router", LINEAR),
-           ("block_sparse_moe.experts.{e}.w1", "ff.W_1", EXPERTS),
-           ("block_sparse_moe.experts.{e}.w3", "ff.W_3", EXPERTS),
-           ("block_sparse_moe.experts.{e}.w2", "ff.W_2", EXPERTS)),
-    ignored_suffixes=(".rotary_emb.inv_freq",),
+MIXTRAL = _rotary_layout(
+    "mixtral", "MixtralForCausalLM",
+    (("block_sparse_moe.gate", "ff.router", LINEAR),
+     ("block_sparse_moe.experts.{e}.w1", "ff.W_1", EXPERTS),
+     ("block_sparse_moe.experts.{e}.w3", "ff.W_3", EXPERTS),
+     ("block_sparse_moe.experts.{e}.w2", "ff.W_2", EXPERTS)),
     config_to_hf=_mixtral_config_to_hf, config_from_hf=_mixtral_config_from_hf,
     buffers=_zero_router_biases, renamed=_per_expert)
 
