@@ -63,6 +63,16 @@ def test_the_bf16_speedup_is_the_ratio_of_the_measured_rates_taken_once(monkeypa
     assert calls == [(torch.bfloat16, 256), (torch.float32, 256)]
 
 
+def test_a_distributed_launch_does_not_measure_and_trains_in_float32_without_amx(amx, monkeypatch):
+    amx(False, 1.9)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    why = "no AMX on this CPU; bf16 is not measured in a distributed launch"
+    assert resolve_dtype("auto", "cpu") == ("float32", why)
+    amx(True)
+    assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")
+
+
 def test_auto_is_bfloat16_on_a_cpu_with_amx(amx):
     amx(True)
     assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")

@@ -6,8 +6,9 @@ bf16 autocast pays only when the hardware multiplies bf16 faster than fp32. On a
 (`cpu_bf16_speedup`, once per process, ~0.2 s): AVX-512-BF16 ran at about half the fp32 rate on a 2-core
 Xeon (issue 12: 193 vs 386 GFLOP/s) but at 1.9x it on a 2-core AMD EPYC (Zen 4: 367 vs 197 at 256³),
 and an AVX2-only CPU emulates bf16 at ~1 GFLOP/s. bf16 is taken where it measures at least
-MIN_BF16_SPEEDUP times fp32's rate. On CUDA it means a device with native bf16 (compute capability
-8.0+), not the emulation torch offers on older ones.
+MIN_BF16_SPEEDUP times fp32's rate, in one process; the processes of a distributed launch take float32
+(each would measure its own, and the replicas must train alike). On CUDA it means a device with native
+bf16 (compute capability 8.0+), not the emulation torch offers on older ones.
 
 On a CPU it also takes matmuls wide enough to outweigh the casts autocast adds around each of them: a
 model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even with AMX. Measured on a
@@ -22,6 +23,8 @@ import time
 
 import torch
 from torch import nn
+
+from ..launch import current_launch
 
 MIN_BF16_WIDTH = 128
 #: Without AMX, bf16 autocast is taken where bf16 matmuls measure at least this many times the fp32 rate: the
@@ -59,6 +62,8 @@ def native_bf16(device: torch.device | str) -> tuple[bool, str]:
     if device.type == "cpu":
         if cpu_has_amx():
             return True, "AMX on this CPU"
+        if current_launch().world_size > 1:  # each process would measure its own: they must train alike
+            return False, "no AMX on this CPU; bf16 is not measured in a distributed launch"
         speedup = cpu_bf16_speedup()
         if speedup >= MIN_BF16_SPEEDUP:
             return True, f"no AMX, but bf16 matmuls measured {speedup:.1f}x fp32's on this CPU"
