@@ -10,7 +10,9 @@ Shapes: nanogpt-cpu (4 layers, 4 heads, d_model 128, d_ff 512, vocab 65, batch 1
 their first losses (in the JSON line) agree. The peer is `transformers.GPT2LMHeadModel`
 (attn_implementation="sdpa") with a plain `torch.optim.AdamW`; ours is `plainformer.GPT` (attention
 backend "auto") with the optimizer our trainer builds by default (`training.make_optimizer`, the fused
-AdamW kernel), no torch.compile. fp32, and bf16 under torch.autocast on both sides.
+AdamW kernel), no torch.compile; in fp32 its linear layers multiply on the kernels `train` would choose
+on this CPU (`training.kernels`: aten's or oneDNN's, measured per product, printed under its row when
+not all aten's). fp32, and bf16 under torch.autocast on both sides.
 With `--nanogpt DIR` (a checkout of https://github.com/karpathy/nanoGPT, imported from there at run time,
 never copied here), nanoGPT's own `model.GPT` joins as a second peer with the same weights (its names are
 GPT-2's; its GELU is the exact one where the pair's is the tanh form) and the optimizer its
@@ -49,6 +51,7 @@ import plainformer as pf
 from _hf_gpt2 import gpt2_pair
 from attention import extra_peak_bytes
 from plainformer.training.config import TrainConfig
+from plainformer.training.kernels import ATEN, choose_kernels, chosen_kernels
 from plainformer.training.optim import make_optimizer
 from plainformer.training.precision import matmul_rate
 
@@ -124,6 +127,15 @@ def measure(name: str, shape: dict, dtype: str, args: argparse.Namespace) -> dic
     ours, theirs = gpt2_pair(**{k: v for k, v in shape.items() if k != "batch"})
     ours.train(), theirs.train()
     batch, block = shape["batch"], shape["block_size"]
+    # as `train` does: a float32 run's linear products on the kernels measured faster on this CPU
+    kernels = choose_kernels(ours, batch * block)[0] if dtype == "fp32" else ATEN
+    with chosen_kernels(ours, kernels):
+        return {**_measure(ours, theirs, name, shape, dtype, args), "ours_linear_kernels": kernels}
+
+
+def _measure(ours: pf.GPT, theirs: transformers.GPT2LMHeadModel, name: str, shape: dict, dtype: str,
+             args: argparse.Namespace) -> dict:
+    batch, block = shape["batch"], shape["block_size"]
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(shape["vocab_size"], (batch, block), generator=gen)
     targets = torch.randint(shape["vocab_size"], (batch, block), generator=gen)
@@ -188,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['shape']:<12} {row['dtype']:<5} {row['batch']:<7} {row['ours_tokens_per_s']:>11,.0f} "
               f"{row['peer_tokens_per_s']:>11,.0f} {row['ratio']:>5.2f}x {row['ours_mfu']:>8.1%} "
               f"{row['peer_mfu']:>8.1%} {row['ours_peak_mib']:>9.0f}/{row['peer_peak_mib']:<9.0f}")
+        if row["ours_linear_kernels"] != ATEN:
+            print(f"{'':<12} {'':<5} {'':<7} ours' linear kernels: "
+                  + ", ".join(f"{product} {kernel}" for product, kernel in row["ours_linear_kernels"].items()))
         if "ratio_nanogpt" in row:
             print(f"{'':<12} {'':<5} {'':<7} {'nanoGPT':>11} {row['nanogpt_tokens_per_s']:>11,.0f} "
                   f"{row['ratio_nanogpt']:>5.2f}x {'':>9} {'':>9} {row['nanogpt_peak_mib']:>19.0f}")

@@ -37,6 +37,7 @@ from ..nn.modes import eval_mode
 from .bookkeeping import InterruptRequest, LogWindow, Phases, Stopwatch, keep_metrics_until
 from .config import TrainConfig
 from .distributed import Distributed, process_group
+from .kernels import ATEN, choose_kernels, chosen_kernels, describe
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .planner import StepPlanner
@@ -165,6 +166,29 @@ class Trainer:
         if resume is True:
             resume = load_checkpoint(self.out_dir / "last")
         self._resume_rng_from = self._restore(resume) if isinstance(resume, Checkpoint) else None
+        self._kernels_log = self._choose_kernels(resumed=self._resume_rng_from is not None)
+
+    def _choose_kernels(self, *, resumed: bool) -> str | None:
+        """The kernels of the linear layers' products: aten's where there is no choice, a resumed run's
+        from its checkpoint (aten's if it has none), a new run's measured on this CPU (`kernels.py`)
+        -> the line to log, if any."""
+        if not self._has_kernel_choice():
+            self._linear_kernels = ATEN
+            return None
+        if resumed:
+            return f"linear kernels: {describe(self._linear_kernels)} (resumed)"
+        # a batch's tokens, from the validation split: what the steps draw stays theirs alone
+        rows = next(iter(self._batch("val", 0, self.config.batch_size).values())).numel()
+        self._linear_kernels, speedups = choose_kernels(self.model, rows)
+        return f"linear kernels: {describe(self._linear_kernels, speedups)} (oneDNN's speed / aten's, measured)"
+
+    def _has_kernel_choice(self) -> bool:
+        """Float32 on one CPU process (each process of a launch would measure its own, and the replicas
+        must multiply alike; FSDP holds the layers it shards), eager (torch.compile generates its own
+        kernels), with oneDNN in this build of torch."""
+        return (self.device.type == "cpu" and self.config.dtype == "float32" and self.dist.world_size == 1
+                and not self.config.compile and torch.backends.mkldnn.is_available()
+                and all(p.dtype == torch.float32 for p in self.model.parameters()))
 
     @property
     def metrics_path(self) -> Path:
@@ -205,6 +229,7 @@ class Trainer:
         self._evaluated_step = state.evaluated_step
         self._unlogged = state.log_window  # the log window a resumed run continues
         self.planner.planned = state.planned_steps
+        self._linear_kernels = state.linear_kernels or ATEN
         if state.planned_steps is not None:
             self.config = self.config.replace(max_steps=state.planned_steps)
 
@@ -213,7 +238,8 @@ class Trainer:
         return TrainerState(step=self.step, data_position=self.data_position, best_val_loss=self.best_val_loss,
                             train_loss=self.train_loss, val_loss=self.val_loss, elapsed_s=self._elapsed(),
                             world_size=self.dist.world_size, evaluated_step=self._evaluated_step,
-                            log_window=self._window.state(), planned_steps=self.planner.planned)
+                            log_window=self._window.state(), planned_steps=self.planner.planned,
+                            linear_kernels=self._linear_kernels)
 
     def _start_rng(self) -> None:
         """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
@@ -287,15 +313,17 @@ class Trainer:
         with self._group, run_lock(self.out_dir) if self.dist.is_main else contextlib.nullcontext():
             if on_locked is not None and self.dist.is_main:
                 on_locked()
-            return self._fit()
+            with chosen_kernels(self.model, self._linear_kernels):
+                return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
         self._start_rng()
         if self.dist.is_main:
             print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
-            if self._dtype_warning is not None:
-                print(self._dtype_warning, file=sys.stderr, flush=True)
+            for line in (self._dtype_warning, self._kernels_log):
+                if line is not None:
+                    print(line, file=sys.stderr, flush=True)
             keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()

@@ -1,0 +1,186 @@
+"""Tests for plainformer.training.kernels: each linear product on the kernel chosen for it, against float64."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plainformer.training import kernels
+from plainformer.training.kernels import (
+    ATEN,
+    MAX_TIMED_ROWS,
+    MIN_SPEEDUP,
+    PRODUCTS,
+    choose_kernels,
+    chosen_kernels,
+    chosen_linear,
+    describe,
+)
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+EVERY_CHOICE = [dict(zip(PRODUCTS, names, strict=True))
+                for names in itertools.product(kernels.KERNELS, repeat=len(PRODUCTS))]
+
+
+def _linear(d_in: int = 12, d_out: int = 10, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(d_in, d_out, bias=bias)
+
+
+@needs_onednn
+@pytest.mark.parametrize("choice", EVERY_CHOICE, ids=lambda c: "-".join(c.values()))
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_choice_matches_float64_autograd_in_output_and_gradients(choice, bias):
+    layer = _linear(bias=bias)
+    x = torch.randn(3, 7, 12, requires_grad=True)  # (B, T, d_in)
+    grad = torch.randn(3, 7, 10)
+    y = chosen_linear(x, layer.weight, layer.bias, choice)
+    y.backward(grad)
+
+    x64 = x.detach().double().requires_grad_()
+    params64 = [p.detach().double().requires_grad_() for p in layer.parameters()]
+    y64 = F.linear(x64, *params64)
+    y64.backward(grad.double())
+    # fp32 against a float64 reference: sums of 12 (forward), 10 (grad input) and 21 (grad weight) products
+    torch.testing.assert_close(y, y64.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(x.grad, x64.grad.float(), rtol=0, atol=1e-5)
+    for p, p64 in zip(layer.parameters(), params64, strict=True):
+        torch.testing.assert_close(p.grad, p64.grad.float(), rtol=0, atol=1e-5)
+
+
+@needs_onednn
+def test_a_frozen_weight_gets_no_gradient_and_its_input_still_does():
+    layer = _linear()
+    layer.requires_grad_(False)
+    x = torch.randn(5, 12, requires_grad=True)
+    chosen_linear(x, layer.weight, layer.bias, dict.fromkeys(PRODUCTS, "onednn")).sum().backward()
+    assert layer.weight.grad is None and layer.bias.grad is None
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(5, 12), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("context", ["bfloat16 weights", "autocast"])
+def test_other_dtypes_and_autocast_run_f_linear_itself(context):
+    layer = _linear()
+    if context == "bfloat16 weights":
+        layer.to(torch.bfloat16)
+    x = torch.randn(4, 12, dtype=layer.weight.dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=context == "autocast"):
+        assert torch.equal(chosen_linear(x, layer.weight, layer.bias, dict.fromkeys(PRODUCTS, "onednn")),
+                           F.linear(x, layer.weight, layer.bias))
+
+
+# ----------------------------------------------------------------------------- swapping the layers
+
+class Shared(nn.Module):
+    """Two places hold one layer, as a tied or reused layer does; the head is a subclass with a forward
+    of its own (as a LoRA layer is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = _linear(12, 12)
+        self.second = self.first
+        self.head = Doubled(12, 3)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+class Doubled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@needs_onednn
+def test_inside_the_block_the_plain_layers_compute_on_the_chosen_kernels_and_after_it_as_before(monkeypatch):
+    model, x = Shared(), torch.randn(5, 12)
+    expected = model(x)
+    hooked, products = [], []
+    model.first.register_forward_hook(lambda module, args, out: hooked.append(module))
+    monkeypatch.setattr(kernels, "KERNELS", {name: _counting(kernel, name, products)
+                                             for name, kernel in kernels.KERNELS.items()})
+    with chosen_kernels(model, dict.fromkeys(PRODUCTS, "onednn")) as same:
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-5)
+    assert same is model and hooked == [model.first] * 2  # the same layers, their hooks still called
+    assert products == ["onednn"] * 2  # first and second; the head's own forward is left alone
+    products.clear()
+    assert torch.equal(model(x), expected) and products == [] and "forward" not in vars(model.first)
+
+
+def _counting(kernel, name, calls):
+    def counted(*args):
+        calls.append(name)
+        return kernel(*args)
+    return counted
+
+
+def test_the_layers_are_restored_after_an_exception_too():
+    model = Shared()
+    with pytest.raises(KeyboardInterrupt), chosen_kernels(model, dict.fromkeys(PRODUCTS, "onednn")):
+        assert "forward" in vars(model.first)
+        raise KeyboardInterrupt
+    assert "forward" not in vars(model.first)
+
+
+def test_all_aten_sets_nothing():
+    model = Shared()
+    with chosen_kernels(model, ATEN):
+        assert "forward" not in vars(model.first)
+
+
+# ----------------------------------------------------------------------------- choosing
+
+_PRODUCT_SHAPES = {product: (a.shape, b_t.shape) for product, (a, b_t) in kernels._operands(32, 12, 10).items()}
+
+
+def _linear_model() -> nn.Module:
+    return nn.Sequential(_linear(12, 10), nn.ReLU(), _linear(10, 12))  # shapes (12, 10) and (10, 12)
+
+
+@pytest.mark.parametrize("speedup, expected", [(MIN_SPEEDUP, "onednn"), (MIN_SPEEDUP - 0.01, "aten"), (0.5, "aten")])
+def test_onednn_takes_a_product_only_from_min_speedup_on(monkeypatch, speedup, expected):
+    speedups = {"forward": speedup, "grad_input": 1.0, "grad_weight": 0.7}
+
+    def seconds(a, b_t):  # aten 1 s, oneDNN 1 / speedup, for the product these operands make
+        product = next(name for name, shapes in _PRODUCT_SHAPES.items() if shapes == (a.shape, b_t.shape))
+        return {"aten": 1.0, "onednn": 1.0 / speedups[product]}
+
+    monkeypatch.setattr(kernels, "_kernel_seconds", seconds)
+    chosen, measured = choose_kernels(nn.Sequential(_linear(12, 10)), rows=32)
+    assert chosen == {"forward": expected, "grad_input": "aten", "grad_weight": "aten"}
+    assert measured == pytest.approx(speedups)
+
+
+def test_each_layer_shape_is_timed_once_on_at_most_max_timed_rows(monkeypatch):
+    timed = []
+    monkeypatch.setattr(kernels, "_kernel_seconds", lambda a, b_t: timed.append((a.shape, b_t.shape))
+                        or {"aten": 1.0, "onednn": 1.0})
+    choose_kernels(nn.Sequential(*[_linear(8, 8) for _ in range(3)], _linear(8, 4)), rows=10 * MAX_TIMED_ROWS)
+    assert len(timed) == 2 * len(PRODUCTS)  # two shapes, three products each
+    assert all(MAX_TIMED_ROWS in (*a, *b_t) for a, b_t in timed)
+
+
+def test_a_shape_weighs_as_many_times_as_layers_have_it(monkeypatch):
+    """Three 8 x 8 layers where oneDNN is twice as fast, one 8 x 4 where it is four times slower:
+    3 · 1 + 1 · 1 = 4 s on aten against 3 · 0.5 + 1 · 4 = 5.5 s on oneDNN, for every product."""
+    monkeypatch.setattr(kernels, "_kernel_seconds", lambda a, b_t: {
+        "aten": 1.0, "onednn": 4.0 if 4 in (*a.shape, *b_t.shape) else 0.5})
+    chosen, speedups = choose_kernels(nn.Sequential(*[_linear(8, 8) for _ in range(3)], _linear(8, 4)), rows=16)
+    assert chosen == ATEN and speedups == pytest.approx(dict.fromkeys(PRODUCTS, 4 / 5.5))
+
+
+@needs_onednn
+def test_the_real_measurement_names_a_kernel_for_every_product():
+    chosen, speedups = choose_kernels(_linear_model(), rows=64)
+    assert set(chosen) == set(speedups) == set(PRODUCTS)
+    assert set(chosen.values()) <= set(kernels.KERNELS) and all(s > 0 for s in speedups.values())
+
+
+def test_describe_names_each_product_and_its_speedup():
+    assert describe({"forward": "onednn", "grad_input": "aten", "grad_weight": "aten"},
+                    {"forward": 1.234, "grad_input": 1.0, "grad_weight": 0.5}) == \
+        "forward onednn (1.23x), grad input aten (1.00x), grad weight aten (0.50x)"
+    assert describe(ATEN) == "forward aten, grad input aten, grad weight aten"
