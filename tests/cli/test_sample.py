@@ -101,3 +101,12 @@ def test_sample_decodes_on_prepacked_weights_on_the_cpu_unless_int8(capsys, run,
     assert heads == ["PackedLinear"]
     sample(capsys, run, "--prompt", "To be", "--quantize", "int8")
     assert heads == ["PackedLinear"]
+
+
+def test_a_command_keeps_freed_memory_before_it_runs(run, monkeypatch, capsys):
+    import plainformer.cli as cli
+
+    kept = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: kept.append(True))
+    assert main(["sample", "--ckpt", str(run), "--max-new-tokens", "2"]) == 0
+    assert kept == [True]

@@ -33,7 +33,7 @@ from ..config import Config
 from ..errors import UserError
 from ..families.family import Family
 from ..launch import is_main_process, log
-from ..memory import MemoryBudgetError, memory_limit, parse_size
+from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
 from ..models.saved import SavedModel
 from ..training.distributed import run_torchrun
 from ..training.trainer import TrainingInterrupted
@@ -219,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if getattr(args, "nproc", None) is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return run_torchrun(args.nproc, _without_nproc(argv))
+    keep_freed_memory()  # the steps' tensors reuse the pages of the step before (memory.py)
     try:
         with memory_limit(getattr(args, "max_memory", None)):
             metrics = args.run(args)
