@@ -28,6 +28,7 @@ import torch
 
 import plainformer as pf
 from plainformer import recipes
+from plainformer.memory import keep_freed_memory
 from plainformer.training.config import TrainConfig
 
 # name -> (GPTConfig changes, TrainConfig changes), all relative to the `default` preset.
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, (model_changes, train_changes) in VARIANTS.items():
             print(f"{name:<20} {json.dumps({**model_changes, **train_changes})}")
         return
+    keep_freed_memory()  # as `plainformer train` runs
     if args.threads:
         torch.set_num_threads(args.threads)
     data = pf.prepare_lm_data(None, tokenizer="char")

@@ -12,7 +12,8 @@ their first losses (in the JSON line) agree. The peer is `transformers.GPT2LMHea
 backend "auto") with the optimizer our trainer builds by default (`training.make_optimizer`, the fused
 AdamW kernel), no torch.compile; in fp32 its linear layers multiply on the kernels `train` would choose
 on this CPU (`training.kernels`: aten's or oneDNN's, measured per product, printed under its row when
-not all aten's). fp32, and bf16 under torch.autocast on both sides.
+not all aten's). fp32, and bf16 under torch.autocast on both sides. The process keeps the memory it frees
+(`memory.keep_freed_memory`, as the `plainformer` command does), for every model alike.
 With `--nanogpt DIR` (a checkout of https://github.com/karpathy/nanoGPT, imported from there at run time,
 never copied here), nanoGPT's own `model.GPT` joins as a second peer with the same weights (its names are
 GPT-2's; its GELU is the exact one where the pair's is the tanh form) and the optimizer its
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plainformer as pf
 from _hf_gpt2 import gpt2_pair
 from attention import extra_peak_bytes
+from plainformer.memory import keep_freed_memory
 from plainformer.training.config import TrainConfig
 from plainformer.training.kernels import ATEN, choose_kernels, chosen_kernels
 from plainformer.training.optim import make_optimizer
@@ -177,6 +179,7 @@ def _measure(ours: pf.GPT, theirs: transformers.GPT2LMHeadModel, name: str, shap
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    kept = keep_freed_memory()  # as the `plainformer` command does; every model of this process alike
     if args.threads:
         torch.set_num_threads(args.threads)
     before = matmul_peak()
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [measure(name, SHAPES[name], dtype, args) for name in args.shapes for dtype in args.dtypes]
     after = matmul_peak()
     peak = {dtype: max(before[dtype], after[dtype]) for dtype in DTYPES}
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"malloc {'keeping freed memory' if kept else 'as the C library sets it'}; "
           f"measured matmul peak, the better of before / after the runs: "
           + ", ".join(f"{d} {peak[d] / 1e9:.0f} GFLOP/s ({before[d] / 1e9:.0f} / {after[d] / 1e9:.0f})"
                       for d in DTYPES))
