@@ -95,6 +95,10 @@ class Trainer:
     checkpoints hold only what it trains (`nn.lora.adapter_state_names`), with `adapter` in config.json,
     and it resumes only from checkpoints of the same adapter.
 
+    A float32 run in one CPU process computes each product of the model's linear layers on the kernel
+    measured faster for it before the first step (aten's or oneDNN's, `kernels.py`), for the duration of
+    `fit`; the choice is kept in the checkpoints, and a resumed run takes it from there.
+
     Launched by torchrun, the trainer joins the process group (unless the caller already did, with
     `distributed.process_group()`) and leaves it when `fit` returns or raises.
     """
@@ -184,8 +188,8 @@ class Trainer:
 
     def _has_kernel_choice(self) -> bool:
         """Float32 on one CPU process (each process of a launch would measure its own, and the replicas
-        must multiply alike; FSDP holds the layers it shards), eager (torch.compile generates its own
-        kernels), with oneDNN in this build of torch."""
+        must multiply alike), eager (torch.compile generates its own kernels), with oneDNN in this build
+        of torch."""
         return (self.device.type == "cpu" and self.config.dtype == "float32" and self.dist.world_size == 1
                 and not self.config.compile and torch.backends.mkldnn.is_available()
                 and all(p.dtype == torch.float32 for p in self.model.parameters()))
