@@ -9,10 +9,10 @@ matrix products a training step:
 
 torch's CPU build computes each on aten's kernel (MKL's gemm: what `F.linear` and autograd run) or on
 oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`). Which is faster depends on the CPU and the
-product: on a 2-core AMD EPYC with AVX-512 (Zen 4), oneDNN took 0.78-0.91x aten's time for the forward and
-input-gradient products of the 6 x 384 GPT's step and 1.06-1.6x for the weight gradient (whose operands are
-transposed views); with AVX2 only, aten won nearly everything; with a few hundred rows or fewer, aten won
-everything by 1.1-8x (`benchmarks/matmul_kernels.py`, docs/experiments.md).
+product: on a 2-core AMD EPYC with AVX-512 (Zen 4), oneDNN took 0.78-0.91x aten's time for the 6 x 384
+GPT's forward and input-gradient products, and 1.06-1.6x for the weight gradients (whose operands are
+transposed views) of every training shape measured; with AVX2 only, aten won nearly everything; with a few
+hundred rows or fewer, aten won everything by 1.1-8x (`benchmarks/matmul_kernels.py`, docs/experiments.md).
 
 So a float32 run times both kernels on the model's own layer shapes (`choose_kernels`, before the first
 step) and trains each product on oneDNN only where it measured at least MIN_SPEEDUP times aten's speed:
