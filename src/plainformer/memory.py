@@ -168,8 +168,8 @@ def parse_size(text: str) -> int:
 
 # ----------------------------------------------------------------------------- the allocator
 
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's mallopt parameters (malloc.h), and a trim threshold no heap reaches: never trim
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _NEVER = -1, -3, 2**31 - 1
 #: Blocks of up to this many bytes come from the heap, not a mapping of their own (glibc's largest on 64 bits).
 MMAP_THRESHOLD = 32 * 2**20
 
@@ -184,7 +184,8 @@ def keep_freed_memory() -> bool:
     MMAP_THRESHOLD bytes from the heap and no trimming take that to a few faults a step; the process holds
     on to its peak instead, as PyTorch's CUDA allocator does. A C library without mallopt (not glibc) is
     left as it is (False)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # no mallopt, or no C library to open by None (Windows)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER))
