@@ -125,6 +125,13 @@ def test_the_layers_are_restored_after_an_exception_too():
     assert "forward" not in vars(model.first)
 
 
+@pytest.mark.parametrize("kernels", [{"forward": "onednn"}, {**ATEN, "forward": "mkl"}])
+def test_a_choice_without_every_product_or_with_an_unknown_kernel_is_refused(kernels):
+    with pytest.raises(ValueError, match="kernels must map each of forward, grad_input, grad_weight to one of "
+                                         "aten, onednn"), chosen_kernels(Shared(), kernels):
+        pass
+
+
 def test_all_aten_sets_nothing():
     model = Shared()
     with chosen_kernels(model, ATEN):

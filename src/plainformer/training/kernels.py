@@ -94,6 +94,9 @@ def chosen_kernels(model: nn.Module, kernels: Mapping[str, str]) -> Iterator[nn.
     "onednn") inside the block, and `F.linear` again after. The layers stay the same objects, with their
     parameters and hooks: only their forward is set for the block (a subclass with a forward of its own,
     a LoRA layer, keeps it). All-aten changes nothing."""
+    if set(kernels) != set(PRODUCTS) or not set(kernels.values()) <= set(KERNELS):
+        raise ValueError(f"kernels must map each of {', '.join(PRODUCTS)} to one of {', '.join(KERNELS)}, "
+                         f"got {dict(kernels)}")
     layers = [] if dict(kernels) == ATEN else [
         layer for layer in _distinct_linears(model)
         if type(layer).forward is nn.Linear.forward and "forward" not in vars(layer)]
