@@ -98,7 +98,7 @@ def chosen_kernels(model: nn.Module, kernels: Mapping[str, str]) -> Iterator[nn.
         raise ValueError(f"kernels must map each of {', '.join(PRODUCTS)} to one of {', '.join(KERNELS)}, "
                          f"got {dict(kernels)}")
     layers = [] if dict(kernels) == ATEN else [
-        layer for layer in _distinct_linears(model)
+        layer for _, layer in linear_layers(model)  # a layer registered at several places once
         if type(layer).forward is nn.Linear.forward and "forward" not in vars(layer)]
     for layer in layers:
         vars(layer)["forward"] = functools.partial(_layer_forward, layer, dict(kernels))
@@ -109,11 +109,6 @@ def chosen_kernels(model: nn.Module, kernels: Mapping[str, str]) -> Iterator[nn.
             del vars(layer)["forward"]
 
 
-def _distinct_linears(model: nn.Module) -> list[nn.Linear]:
-    """`model`'s linear layers, a layer registered at several places once."""
-    return list({id(layer): layer for _, layer in linear_layers(model)}.values())
-
-
 def _layer_forward(layer: nn.Linear, kernels: Mapping[str, str], x: Tensor) -> Tensor:
     return chosen_linear(x, layer.weight, layer.bias, kernels)
 
@@ -122,7 +117,7 @@ def choose_kernels(model: nn.Module, rows: int) -> tuple[dict[str, str], dict[st
     """Time both kernels on each product of `model`'s linear layers at `rows` rows (at most
     MAX_TIMED_ROWS), each layer shape once, weighted by how many layers have it ->
     (product -> the kernel to train it on, product -> aten's time / oneDNN's)."""
-    shapes = Counter((layer.in_features, layer.out_features) for layer in _distinct_linears(model))
+    shapes = Counter((layer.in_features, layer.out_features) for _, layer in linear_layers(model))
     rows = min(rows, MAX_TIMED_ROWS)
     seconds = {product: dict.fromkeys(KERNELS, 0.0) for product in PRODUCTS}
     for (d_in, d_out), count in shapes.items():
