@@ -121,6 +121,12 @@ def test_cosine_reaches_min_lr_at_decay_steps_and_stays_there():
     assert lr_at(150, cfg) == pytest.approx(1e-4)
 
 
+def test_linear_schedule_falls_in_a_straight_line_to_min_lr_at_decay_steps():
+    cfg = TrainConfig(schedule="linear", lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=200, decay_steps=110)
+    assert [lr_at(t, cfg) for t in (5, 10, 35, 60, 110, 150)] == pytest.approx([5e-4, 1e-3, 7.5e-4, 5e-4, 0, 0])
+    assert lr_at(85, cfg.replace(min_lr=1e-4)) == pytest.approx(1e-4 + 0.9e-3 * 0.25)
+
+
 def test_constant_schedule_holds_lr_after_warmup():
     cfg = TrainConfig(schedule="constant", lr=3e-4, warmup_steps=4)
     assert [lr_at(t, cfg) for t in (1, 4, 5, 1000)] == pytest.approx([0.75e-4, 3e-4, 3e-4, 3e-4])
@@ -137,7 +143,7 @@ def test_inverse_sqrt_matches_the_paper_formula_computed_by_hand():
 
 
 @pytest.mark.parametrize("bad, field", [
-    (dict(schedule="linear"), "schedule"), (dict(batch_size=0), "batch_size"),
+    (dict(schedule="step"), "schedule"), (dict(batch_size=0), "batch_size"),
     (dict(min_lr=1.0, lr=0.1), "min_lr"), (dict(schedule="inverse_sqrt"), "schedule_d_model"),
     (dict(dtype="float16"), "dtype"), (dict(beta2=1.0), "beta2"), (dict(max_time=0), "max_time"),
     (dict(decay_steps=50, warmup_steps=100), "decay_steps"), (dict(fit_to_time=True), "fit_to_time"),

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from ..config import Config, non_negative, non_negative_int, one_of, positive, positive_int, probability
 
-SCHEDULES = ("cosine", "constant", "inverse_sqrt")
+SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 # "auto": bfloat16 where bf16 matmuls are natively fast, float32 elsewhere (training/precision.py).
@@ -23,8 +23,9 @@ PARALLEL = ("auto", "ddp", "fsdp", "none")  # see training/distributed.py
 class TrainConfig(Config):
     """How to train. Intervals count optimizer steps; 0 turns periodic evaluation or saving off (both still happen
     at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor in front of the inverse_sqrt
-    formula); `min_lr` is the cosine floor, reached at `decay_steps` (default max_steps). `max_time` (seconds,
-    wall clock, including time spent before a resume) stops training early and gracefully; with `fit_to_time` it
+    formula); `min_lr` is where the cosine or linear decay ends, at `decay_steps` (default max_steps).
+    `max_time` (seconds, wall clock, including time spent before a resume) stops training early and gracefully;
+    with `fit_to_time` it
     also sets the length: at the end of warmup, max_steps is lowered to the steps that end by max_time at the
     speed measured so far (evaluations and the final save included), and set once more halfway from the warm
     steps since (up to the max_steps given), so that the schedule has annealed when time is up, on a fast
@@ -79,7 +80,7 @@ class TrainConfig(Config):
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
                              f"({self.warmup_steps})")
-        if self.schedule == "cosine" and self.min_lr > self.lr:
+        if self.schedule in ("cosine", "linear") and self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.schedule == "inverse_sqrt" and (self.schedule_d_model is None or self.warmup_steps == 0):
             raise ValueError("schedule 'inverse_sqrt' needs schedule_d_model (the model's d_model) and "

@@ -20,6 +20,8 @@ with AMX, a CUDA device with bf16), in float32 elsewhere, where bf16 would multi
 Schedules (W = warmup_steps, T = decay_steps or max_steps):
 
     cosine        lr·t/W for t ≤ W, then min_lr + ½(lr − min_lr)(1 + cos(π (t − W)/(T − W))), min_lr after T
+    linear        lr·t/W for t ≤ W, then lr − (lr − min_lr)(t − W)/(T − W), min_lr after T (to zero with
+                  min_lr 0: Bergsma et al. 2025, "Straight to Zero")
     constant      lr·t/W for t ≤ W, then lr
     inverse_sqrt  lr · d_model^−0.5 · min(t^−0.5, t · W^−1.5)   (Vaswani et al. 2017, eq. 3, when lr = 1)
 """
@@ -51,6 +53,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
         return config.lr
     horizon = config.decay_steps or config.max_steps
     progress = min(1.0, (t - warmup) / max(1, horizon - warmup))
+    if config.schedule == "linear":
+        return config.lr - (config.lr - config.min_lr) * progress
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
