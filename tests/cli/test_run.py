@@ -1,0 +1,73 @@
+"""`plainformer.cli.run`, the command's exit: main's status, atexit's functions and the flushed streams,
+without the interpreter's teardown (an object's __del__ at shutdown is the teardown's mark)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+# A child with an atexit function and an object whose __del__ only the interpreter's teardown would call.
+PRELUDE = textwrap.dedent("""
+    import atexit, io, sys, threading, time
+
+    class TornDown:
+        def __del__(self):
+            print("torn down", file=sys.stderr)
+
+    class Unflushable(io.StringIO):
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    kept = TornDown()
+    atexit.register(lambda: print("atexit ran", file=sys.stderr))
+""")
+
+# ... whose `main` writes its product with no newline (only a flush puts it on a pipe) and returns STATUS.
+COMMAND = textwrap.dedent("""
+    import plainformer.cli as cli
+
+    def main():
+        sys.stdout.write("the product")
+        {setup}
+        return {status}
+
+    cli.main = main
+    cli.run()
+""")
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def run_command(status: int, setup: str = "pass") -> subprocess.CompletedProcess:
+    return run_child(COMMAND.format(status=status, setup=setup))
+
+
+def test_the_command_exits_with_mains_status_after_atexit_and_a_flush_without_the_teardown():
+    child = run_command(3)
+    assert (child.returncode, child.stdout) == (3, "the product")
+    assert "atexit ran" in child.stderr
+    assert "torn down" not in child.stderr
+
+
+def test_a_thread_that_is_not_a_daemon_finishes_in_pythons_own_exit():
+    child = run_command(0, setup="threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()")
+    assert (child.returncode, child.stdout) == (0, "the productthread done\n")
+    assert "atexit ran" in child.stderr and "torn down" in child.stderr
+
+
+def test_a_stream_that_cannot_be_flushed_takes_pythons_exit_which_reports_it():
+    child = run_command(0, setup="sys.stdout = Unflushable()")
+    assert child.returncode == 120  # Python's status for a standard stream it could not flush
+    assert "atexit ran" in child.stderr and "torn down" in child.stderr
+
+
+def test_python_dash_m_plainformer_runs_the_command_and_so_does_the_console_script():
+    child = run_child("import runpy\nrunpy.run_module('plainformer', run_name='__main__')")
+    assert child.returncode == 2 and "usage: plainformer" in child.stderr  # no command: the help, status 2
+    assert "atexit ran" in child.stderr and "torn down" not in child.stderr
+    (script,) = entry_points(group="console_scripts", name="plainformer")
+    assert script.value == "plainformer.cli:run"
