@@ -26,6 +26,11 @@ class FakeClock:
         self.evaluating += seconds
         self.evaluations += 1
 
+    def time_evaluation(self) -> float:
+        """The trainer's timing of an evaluation: 0.25 s counted as evaluating, which finds e = 0.5 s."""
+        self.evaluate(0.25)
+        return 0.5
+
 
 def planner(clock: FakeClock, **overrides) -> StepPlanner:
     values = dict(max_time=100.125, max_steps=100_000, warmup_steps=2, eval_interval=4)
@@ -46,7 +51,7 @@ def first_plan(clock: FakeClock, **overrides):
     plan = planner(clock, **overrides)
     at = steps_until_a_plan(plan, clock, 1, 11, 0.125)
     assert at == 11
-    return plan, plan.plan(at, lambda: clock.evaluate(0.5))
+    return plan, plan.plan(at, clock.time_evaluation)
 
 
 def first_plan_at(warmup_steps: int, first_step: int) -> int | None:
@@ -64,11 +69,11 @@ def test_the_first_plan_waits_for_warmup_and_ten_steps_of_the_session_timed():
 def test_the_first_plan_fills_the_time_left_at_the_measured_step_and_evaluation_times():
     clock = FakeClock()
     plan, made = first_plan(clock)
-    # From step 1 (elapsed 0.125) to 11 (1.375): s = 0.125; e = 0.5, elapsed 1.875 after it;
-    # 11 + (100.125 - 1.875 - 2 * 0.5) / (0.125 + 0.5 / 4) = 11 + 389 = 400.
-    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (400, 0.125, 0.5, False)
-    assert plan.planned == 400 and clock.evaluations == 1
-    assert str(made) == ("max_steps: 400, to end by max_time 100.125 s at 0.125 s per step "
+    # From step 1 (elapsed 0.125) to 11 (1.375): s = 0.125; e = 0.5, timed in 0.25 s: elapsed 1.625;
+    # 11 + (100.125 - 1.625 - 2 * 0.5) / (0.125 + 0.5 / 4) = 11 + 390 = 401.
+    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (401, 0.125, 0.5, False)
+    assert plan.planned == 401 and clock.evaluations == 1
+    assert str(made) == ("max_steps: 401, to end by max_time 100.125 s at 0.125 s per step "
                          "and 0.50 s per evaluation")
 
 
@@ -78,14 +83,14 @@ def test_the_second_plan_halfway_times_only_the_steps_since_the_first_and_may_ra
     assert steps_until_a_plan(plan, clock, 12, 99, 0.0625) is None
     clock.evaluate(0.5)  # a periodic evaluation between the plans: left out of s
     at = steps_until_a_plan(plan, clock, 100, 400, 0.0625)
-    assert at == 11 + (400 - 11) // 2 == 205
-    made = plan.plan(at, lambda: clock.evaluate(0.5))
-    # Since step 11 (elapsed 1.875): 194 steps of 0.0625 s and one evaluation, elapsed 14.5; the same e;
-    # 205 + (100.125 - 14.5 - 2 * 0.5) / (0.0625 + 0.5 / 4) = 205 + 451.33 -> 656.
-    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (656, 0.0625, 0.5, True)
-    assert clock.evaluations == 2  # the periodic one only: the second plan times no evaluation
-    assert str(made).startswith("max_steps: 656 (planned again), ")
-    assert steps_until_a_plan(plan, clock, 206, 656, 0.0625) is None  # no third plan
+    assert at == 11 + (401 - 11) // 2 == 206
+    made = plan.plan(at, clock.time_evaluation)
+    # Since step 11 (elapsed 1.625): 195 steps of 0.0625 s and one evaluation, elapsed 14.3125; the same e;
+    # 206 + (100.125 - 14.3125 - 2 * 0.5) / (0.0625 + 0.5 / 4) = 206 + 452.33 -> 658.
+    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (658, 0.0625, 0.5, True)
+    assert clock.evaluations == 2  # the first plan's timing and the periodic one: the second times none
+    assert str(made).startswith("max_steps: 658 (planned again), ")
+    assert steps_until_a_plan(plan, clock, 207, 658, 0.0625) is None  # no third plan
 
 
 def test_the_plan_stays_within_the_step_taken_and_the_max_steps_configured():
@@ -97,16 +102,16 @@ def test_the_plan_stays_within_the_step_taken_and_the_max_steps_configured():
 
 def test_no_second_plan_when_halfway_is_fewer_than_ten_steps_on():
     clock = FakeClock()
-    # 11 + (7.125 - 1.875 - 1) / 0.25 = 28: halfway is step 19, 8 steps on.
+    # 11 + (7.125 - 1.625 - 1) / 0.25 = 29: halfway is step 20, 9 steps on.
     plan, made = first_plan(clock, max_time=7.125)
-    assert made.max_steps == 28
-    assert steps_until_a_plan(plan, clock, 12, 28, 0.125) is None
+    assert made.max_steps == 29
+    assert steps_until_a_plan(plan, clock, 12, 29, 0.125) is None
 
 
 def test_without_periodic_evaluations_only_the_final_one_is_kept_out_of_the_time():
-    # eval_interval 0: 11 + (100.125 - 1.875 - 2 * 0.5) / 0.125 = 11 + 778 = 789.
+    # eval_interval 0: 11 + (100.125 - 1.625 - 2 * 0.5) / 0.125 = 11 + 780 = 791.
     _, made = first_plan(FakeClock(), eval_interval=0)
-    assert made.max_steps == 789
+    assert made.max_steps == 791
 
 
 def test_the_ranks_agree_on_the_mean_they_are_given_rounded():
@@ -114,8 +119,8 @@ def test_the_ranks_agree_on_the_mean_they_are_given_rounded():
     plan = planner(clock)
     steps_until_a_plan(plan, clock, 1, 11, 0.125)
     wanted = []
-    made = plan.plan(11, lambda: clock.evaluate(0.5), agree=lambda steps: wanted.append(steps) or steps + 10.4)
-    assert wanted == [400.0] and made.max_steps == 410
+    made = plan.plan(11, clock.time_evaluation, agree=lambda steps: wanted.append(steps) or steps + 10.4)
+    assert wanted == [401.0] and made.max_steps == 411
 
 
 def test_a_session_resumed_with_a_plan_keeps_it_and_plans_no_more():

@@ -245,6 +245,28 @@ def test_fit_to_time_plans_steps_that_end_by_max_time_with_the_schedule_annealed
     assert resumed.config.max_steps == metrics["step"] and again["step"] == metrics["step"]
 
 
+def test_fit_to_time_times_an_eighth_of_an_evaluation_and_writes_last_for_its_plan(tmp_path, monkeypatch, capsys):
+    model = fresh_model()
+    evaluated, saved = [], []
+    model.register_forward_hook(lambda module, args, out: evaluated.append(not module.training))
+    save = Trainer._save
+
+    def recorded_save(self, name, **kwargs):
+        saved.append((name, self.step))
+        save(self, name, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_save", recorded_save)
+    fitted = dict(max_steps=40, max_time=60.0, fit_to_time=True, warmup_steps=10, eval_interval=0, eval_batches=16)
+    _, metrics = train(tmp_path, model=model, **fitted)
+    # The plan (at step 11): one untimed batch, then 2 of the 16 timed, and last/ written; at the end the
+    # evaluation's 16 batches, best/ and last/.
+    assert sum(evaluated) == 1 + 2 + 16
+    assert saved == [("last", 11), ("best", metrics["step"]), ("last", metrics["step"])]
+    assert read_metrics(tmp_path, "val_loss") == [(metrics["step"], pytest.approx(metrics["val_loss"]))]
+    plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("max_steps:"))
+    assert float(plan.split(" s per step and ")[1].split()[0]) > 0  # e
+
+
 class SlowStart(CountingTokens):
     """Training batches take slow_s each for the first `slow_batches`, then fast_s: a machine warming up."""
 

@@ -9,7 +9,9 @@ averaged over ranks, rounded, and kept within [step, the max_steps configured]. 
 without a plan plans twice:
 
 1. at step max(warmup_steps, the session's first step + 10), with s timed over the steps since the
-   session's first (which paid for warm-up) and e over one evaluation run for the purpose;
+   session's first (which paid for warm-up) and e timed by the trainer on an eighth of an evaluation
+   (a whole one for the purpose took 1-1.7 s of the default's 200, 0.5-0.8%, and its loss at the end
+   of warmup told little);
 2. halfway from there to the first plan, if that is at least 10 steps on, with s timed over the steps
    since the first plan (evaluations left out) and the same e. Early steps run slower (memory first
    touched, kernels first built: 0.36 against 0.30 s per step for the default preset on the machine it
@@ -17,14 +19,13 @@ without a plan plans twice:
    to the cap.
 
 A session resumed with a plan keeps it and plans no more. The planner knows steps and seconds only:
-the trainer gives it a clock, a way to run one evaluation and a way for the ranks to agree.
+the trainer gives it a clock, a way to time one evaluation and a way for the ranks to agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from .config import TrainConfig
 
@@ -82,18 +83,18 @@ class StepPlanner:
             return step >= max(self.warmup_steps, self._since[0] + STEPS_TO_TIME)
         return step == self._replan_at
 
-    def plan(self, step: int, evaluate: Callable[[], Any],
+    def plan(self, step: int, time_evaluation: Callable[[], float],
              agree: Callable[[float], float] = lambda steps: steps) -> Plan:
-        """Set `planned` from the steps timed since the timing started; the first plan first runs
-        `evaluate` to time one evaluation. `agree` maps this rank's max_steps to the ranks' mean."""
+        """Set `planned` from the steps timed since the timing started; the first plan first asks
+        `time_evaluation` for e, the seconds of one evaluation (the clock counts its own time as evaluating).
+        `agree` maps this rank's max_steps to the ranks' mean."""
         assert self.max_time is not None and self._since is not None  # enabled, and a step was taken
         since_step, since_elapsed, since_evaluating = self._since
         elapsed, evaluating = self.clock()
         per_step = (elapsed - since_elapsed - (evaluating - since_evaluating)) / (step - since_step)
         first = self.planned is None
         if first:
-            evaluate()
-            self._per_eval = self.clock()[1] - evaluating
+            self._per_eval = time_evaluation()
         per_step_with_evals = per_step + (self._per_eval / self.eval_interval if self.eval_interval else 0.0)
         steps_left = max(0.0, (self.max_time - self.clock()[0] - 2 * self._per_eval) / per_step_with_evals)
         self.planned = min(self.cap, max(step, round(agree(step + steps_left))))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -297,12 +298,30 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches 0 .. eval_batches-1."""
+        losses = self._validation_losses(self._validation_batches())
+        return self.dist.mean(torch.stack(losses).mean()).item()
+
+    @torch.no_grad()
+    def _time_evaluation(self) -> float:
+        """The seconds an evaluation takes, timed on a share of it, for fit_to_time's planner: the first
+        ⌈eval_batches / 8⌉ validation batches after one untimed batch (which pays for a first forward in
+        eval mode, or a compile), scaled to all eval_batches. Nothing is recorded."""
+        batches = self._validation_batches()
+        timed = batches[:math.ceil(len(batches) / 8)]
+        self._validation_losses(batches[:1])
+        start = time.perf_counter()
+        self._validation_losses(timed)[-1].item()  # the forward passes have run when their loss is read
+        return (time.perf_counter() - start) * len(batches) / len(timed)
+
+    def _validation_batches(self) -> list[dict[str, Tensor]]:
         if self._val_batches is None:
             size = self.config.eval_batch_size or self.config.batch_size
             self._val_batches = [self._batch("val", i, size) for i in range(self.config.eval_batches)]
+        return self._val_batches
+
+    def _validation_losses(self, batches: list[dict[str, Tensor]]) -> list[Tensor]:
         with eval_mode(self.model), self._autocast():
-            losses = [at_least_float32(self._forward(**batch)[1]) for batch in self._val_batches]
-        return self.dist.mean(torch.stack(losses).mean()).item()
+            return [at_least_float32(self._forward(**batch)[1]) for batch in batches]
 
     # ------------------------------------------------------------------------- the loop
 
@@ -385,13 +404,26 @@ class Trainer:
 
     def _fit_steps_to_time(self, bar: tqdm) -> None:
         """Set max_steps as fit_to_time's planner says (planner.py); the ranks agree on their mean."""
-        plan = self.planner.plan(self.step, evaluate=self._evaluate_and_keep_best,
+        plan = self.planner.plan(self.step, time_evaluation=self._time_evaluation_for_plan,
                                  agree=lambda steps: self.dist.mean(torch.tensor(steps, device=self.device)).item())
         self.config = self.config.replace(max_steps=plan.max_steps)
         bar.total = plan.max_steps
         bar.refresh()
         if self.dist.is_main:
             print(plan, file=sys.stderr, flush=True)
+
+    def _time_evaluation_for_plan(self) -> float:
+        """e for the planner: an evaluation (`_time_evaluation`) and the checkpoint one writes when it
+        improves (best/), timed by writing last/ now, which the run keeps; their seconds count as evaluating
+        (the planner's clock leaves them out of the steps' time)."""
+        start = time.perf_counter()
+        with self._phases.timing("evaluation"):
+            seconds = self._time_evaluation()
+        saving = time.perf_counter()
+        self._save_last()
+        end = time.perf_counter()
+        self._eval_seconds += end - start
+        return seconds + end - saving
 
     def _pauses_after_step(self) -> bool:
         """Whether the loop logs, evaluates or saves after the step just taken."""
