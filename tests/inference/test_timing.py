@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from plainformer.inference.timing import fastest
 
@@ -41,3 +42,17 @@ def test_no_runnable_candidate_and_no_candidate_are_refused():
         fastest({"missing": missing})
     with pytest.raises(ValueError, match="at least one candidate"):
         fastest({})
+
+
+def test_candidates_run_in_inference_mode_unless_they_time_a_backward():
+    grad_enabled = []
+
+    def records():
+        grad_enabled.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
+    fastest({"records": records}, rounds=1)
+    fastest({"records": records}, rounds=1, autograd=True)
+    assert grad_enabled == [(False, True)] * 2 + [(True, False)] * 2
+    weight = torch.ones(3, requires_grad=True)
+    _, seconds = fastest({"backward": lambda: torch.autograd.grad((weight * 2).sum(), weight)}, autograd=True)
+    assert seconds["backward"] < float("inf")

@@ -156,9 +156,30 @@ def test_onednn_takes_a_product_only_from_min_speedup_on(monkeypatch, speedup, e
         return {"aten": 1.0, "onednn": 1.0 / speedups[product]}
 
     monkeypatch.setattr(kernels, "_kernel_seconds", seconds)
+    monkeypatch.setattr(kernels, "_step_seconds", lambda rows, d_in, d_out, chosen: (1.0, 0.5))  # the step: 2x
     chosen, measured = choose_kernels(nn.Sequential(_linear(12, 10)), rows=32)
     assert chosen == {"forward": expected, "grad_input": "aten", "grad_weight": "aten"}
-    assert measured == pytest.approx(speedups)
+    assert measured == pytest.approx({**speedups, **({"step": 2.0} if expected == "onednn" else {})})
+
+
+@pytest.mark.parametrize("step_speedup, expected", [(MIN_SPEEDUP, "onednn"), (MIN_SPEEDUP - 0.01, "aten")])
+def test_products_on_onednn_must_speed_their_layers_whole_step_up_too(monkeypatch, step_speedup, expected):
+    """Three 8 x 8 layers and one 8 x 4, oneDNN twice as fast on every product alone; the whole step through
+    our autograd Function, timed per shape and weighted by its layers: 3 · 1 + 1 · 2 = 5 s on F.linear, 5 /
+    step_speedup on the choice."""
+    steps = []
+    monkeypatch.setattr(kernels, "_kernel_seconds", lambda a, b_t: {"aten": 1.0, "onednn": 0.5})
+
+    def step_seconds(rows, d_in, d_out, chosen):
+        steps.append((rows, d_in, d_out, dict(chosen)))
+        aten = 2.0 if d_out == 4 else 1.0
+        return aten, aten / step_speedup
+
+    monkeypatch.setattr(kernels, "_step_seconds", step_seconds)
+    chosen, speedups = choose_kernels(nn.Sequential(*[_linear(8, 8) for _ in range(3)], _linear(8, 4)), rows=16)
+    assert chosen == dict.fromkeys(PRODUCTS, expected)
+    assert speedups == pytest.approx({**dict.fromkeys(PRODUCTS, 2.0), "step": step_speedup})
+    assert steps == [(16, 8, 8, dict.fromkeys(PRODUCTS, "onednn")), (16, 8, 4, dict.fromkeys(PRODUCTS, "onednn"))]
 
 
 def test_each_layer_shape_is_timed_once_on_at_most_max_timed_rows(monkeypatch):
@@ -182,8 +203,15 @@ def test_a_shape_weighs_as_many_times_as_layers_have_it(monkeypatch):
 @needs_onednn
 def test_the_real_measurement_names_a_kernel_for_every_product():
     chosen, speedups = choose_kernels(_linear_model(), rows=64)
-    assert set(chosen) == set(speedups) == set(PRODUCTS)
+    assert set(chosen) == set(PRODUCTS) and set(speedups) - {"step"} == set(PRODUCTS)
     assert set(chosen.values()) <= set(kernels.KERNELS) and all(s > 0 for s in speedups.values())
+
+
+@needs_onednn
+def test_the_real_step_timing_runs_both_ways_with_gradients():
+    aten, chosen = kernels._step_seconds(64, 12, 10, {"forward": "onednn", "grad_input": "onednn",
+                                                     "grad_weight": "aten"})
+    assert 0 < aten < float("inf") and 0 < chosen < float("inf")
 
 
 def test_describe_names_each_product_and_its_speedup():
@@ -191,3 +219,5 @@ def test_describe_names_each_product_and_its_speedup():
                     {"forward": 1.234, "grad_input": 1.0, "grad_weight": 0.5}) == \
         "forward onednn (1.23x), grad input aten (1.00x), grad weight aten (0.50x)"
     assert describe(ATEN) == "forward aten, grad input aten, grad weight aten"
+    assert describe(ATEN, {"forward": 1.2, "grad_input": 1.15, "grad_weight": 0.5, "step": 0.94}) == \
+        "forward aten (1.20x), grad input aten (1.15x), grad weight aten (0.50x); their layers' step 0.94x"

@@ -8,21 +8,24 @@ that a burst of load from elsewhere slows them all alike; each candidate's best 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 
 import torch
 
 
-def fastest(candidates: Mapping[str, Callable[[], object]], rounds: int = 3) -> tuple[str, dict[str, float]]:
+def fastest(candidates: Mapping[str, Callable[[], object]], rounds: int = 3, *,
+            autograd: bool = False) -> tuple[str, dict[str, float]]:
     """-> (the name of the fastest candidate, each one's best seconds). A candidate that raises a
     RuntimeError (a kernel this CPU or build lacks) counts as never finishing (inf seconds); when
-    none runs, that is a RuntimeError."""
+    none runs, that is a RuntimeError. The candidates run in inference mode, or with autograd on
+    (`autograd=True`: candidates that time a backward pass)."""
     if not candidates:
         raise ValueError("fastest needs at least one candidate")
     seconds = {name: float("inf") for name in candidates}
     runs = dict(candidates)
-    with torch.inference_mode():
+    with contextlib.nullcontext() if autograd else torch.inference_mode():
         for name, call in list(runs.items()):
             if not _runs(call):
                 del runs[name]

@@ -16,7 +16,12 @@ hundred rows or fewer, aten won everything by 1.1-8x (`benchmarks/matmul_kernels
 
 So a float32 run times both kernels on the model's own layer shapes (`choose_kernels`, before the first
 step) and trains each product on oneDNN only where it measured at least MIN_SPEEDUP times aten's speed:
-near-ties stay on aten, so two runs of a recipe on one machine multiply alike. The choice goes into the
+near-ties stay on aten, so two runs of a recipe on one machine multiply alike. Products on oneDNN run
+through an autograd Function of ours, which costs 3-4% of a layer's step at a few hundred to 2,048 rows of
+width 128 (a Python call each way), so the products chosen must also make the layers' whole step (forward
+and backward, through that Function) MIN_SPEEDUP times as fast as F.linear's, or every product stays on
+aten: at nanogpt-cpu's shapes oneDNN's forward and input gradient, 1.06-1.1x faster alone, made the step
+0.92-0.94x as fast; at 6 x 384's, 1.2x. The choice goes into the
 checkpoint, and a resumed run takes it from there, so resuming stays bit-exact. The products differ from
 aten's in summation order only (fp32: ~1e-6 relative).
 """
@@ -115,8 +120,10 @@ def _layer_forward(layer: nn.Linear, kernels: Mapping[str, str], x: Tensor) -> T
 
 def choose_kernels(model: nn.Module, rows: int) -> tuple[dict[str, str], dict[str, float]]:
     """Time both kernels on each product of `model`'s linear layers at `rows` rows (at most
-    MAX_TIMED_ROWS), each layer shape once, weighted by how many layers have it ->
-    (product -> the kernel to train it on, product -> aten's time / oneDNN's)."""
+    MAX_TIMED_ROWS), each layer shape once, weighted by how many layers have it; where oneDNN wins a
+    product, time the layers' whole step on that choice against F.linear's too ->
+    (product -> the kernel to train it on, product -> aten's time / oneDNN's, and "step" -> F.linear's
+    step time / the choice's, when a step was timed)."""
     shapes = Counter((layer.in_features, layer.out_features) for _, layer in linear_layers(model))
     rows = min(rows, MAX_TIMED_ROWS)
     seconds = {product: dict.fromkeys(KERNELS, 0.0) for product in PRODUCTS}
@@ -125,8 +132,12 @@ def choose_kernels(model: nn.Module, rows: int) -> tuple[dict[str, str], dict[st
             for name, time in _kernel_seconds(a, b_t).items():
                 seconds[product][name] += count * time
     speedups = {product: times["aten"] / times["onednn"] for product, times in seconds.items()}
-    return {product: "onednn" if speedup >= MIN_SPEEDUP else "aten"
-            for product, speedup in speedups.items()}, speedups
+    chosen = {product: "onednn" if speedup >= MIN_SPEEDUP else "aten" for product, speedup in speedups.items()}
+    if chosen == ATEN:
+        return chosen, speedups
+    steps = [(count, *_step_seconds(rows, d_in, d_out, chosen)) for (d_in, d_out), count in shapes.items()]
+    speedups["step"] = sum(count * aten for count, aten, _ in steps) / sum(count * ours for count, _, ours in steps)
+    return (chosen if speedups["step"] >= MIN_SPEEDUP else dict(ATEN)), speedups
 
 
 def _operands(rows: int, d_in: int, d_out: int) -> dict[str, tuple[Tensor, Tensor]]:
@@ -144,7 +155,23 @@ def _kernel_seconds(a: Tensor, b_t: Tensor) -> dict[str, float]:
     return fastest({name: product(kernel) for name, kernel in KERNELS.items()})[1]
 
 
+def _step_seconds(rows: int, d_in: int, d_out: int, kernels: Mapping[str, str]) -> tuple[float, float]:
+    """(F.linear's, `_LinearProducts` on `kernels`') best seconds for one layer's forward and backward,
+    the gradients of x and W, at `rows` rows (constant entries, as `_operands`)."""
+    x = torch.full((rows, d_in), 0.5, requires_grad=True)
+    weight = torch.full((d_out, d_in), 0.5, requires_grad=True)
+    grad = torch.full((rows, d_out), 0.5)
+    seconds = fastest({
+        "aten": lambda: torch.autograd.grad(F.linear(x, weight), (x, weight), grad),
+        "chosen": lambda: torch.autograd.grad(_LinearProducts.apply(x, weight, None, kernels), (x, weight), grad),
+    }, autograd=True)[1]
+    return seconds["aten"], seconds["chosen"]
+
+
 def describe(kernels: Mapping[str, str], speedups: Mapping[str, float] | None = None) -> str:
-    """One line for the log: each product's kernel, with oneDNN's measured speedup when there is one."""
-    return ", ".join(f"{product.replace('_', ' ')} {kernels[product]}"
-                     + ("" if speedups is None else f" ({speedups[product]:.2f}x)") for product in PRODUCTS)
+    """One line for the log: each product's kernel, with oneDNN's measured speedup when there is one,
+    and the layers' whole step's when one was timed."""
+    products = ", ".join(f"{product.replace('_', ' ')} {kernels[product]}"
+                         + ("" if speedups is None else f" ({speedups[product]:.2f}x)") for product in PRODUCTS)
+    step = (speedups or {}).get("step")
+    return products if step is None else f"{products}; their layers' step {step:.2f}x"
