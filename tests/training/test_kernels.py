@@ -14,6 +14,7 @@ from plainformer.training.kernels import (
     ATEN,
     MAX_TIMED_ROWS,
     MIN_SPEEDUP,
+    MIN_STEP_SPEEDUP,
     PRODUCTS,
     choose_kernels,
     chosen_kernels,
@@ -162,7 +163,7 @@ def test_onednn_takes_a_product_only_from_min_speedup_on(monkeypatch, speedup, e
     assert measured == pytest.approx({**speedups, **({"step": 2.0} if expected == "onednn" else {})})
 
 
-@pytest.mark.parametrize("step_speedup, expected", [(MIN_SPEEDUP, "onednn"), (MIN_SPEEDUP - 0.01, "aten")])
+@pytest.mark.parametrize("step_speedup, expected", [(MIN_STEP_SPEEDUP, "onednn"), (MIN_STEP_SPEEDUP - 0.01, "aten")])
 def test_products_on_onednn_must_speed_their_layers_whole_step_up_too(monkeypatch, step_speedup, expected):
     """Three 8 x 8 layers and one 8 x 4, oneDNN twice as fast on every product alone; the whole step through
     our autograd Function, timed per shape and weighted by its layers: 3 · 1 + 1 · 2 = 5 s on F.linear, 5 /
