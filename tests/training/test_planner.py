@@ -1,7 +1,7 @@
 """Tests for plainformer.training.planner: fit_to_time's two plans, on a fake clock, without a model.
 
 The times are binary fractions (0.125 s per step, 0.5 s per evaluation), so every expected max_steps
-is worked out by hand from max_steps = step + (max_time - elapsed - 2e) / (s + e / eval_interval).
+is worked out by hand from max_steps = step + (max_time - elapsed - 2e - 2s) / (s + e / eval_interval).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def test_the_first_plan_fills_the_time_left_at_the_measured_step_and_evaluation_
     clock = FakeClock()
     plan, made = first_plan(clock)
     # From step 1 (elapsed 0.125) to 11 (1.375): s = 0.125; e = 0.5, timed in 0.25 s: elapsed 1.625;
-    # 11 + (100.125 - 1.625 - 2 * 0.5) / (0.125 + 0.5 / 4) = 11 + 390 = 401.
-    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (401, 0.125, 0.5, False)
-    assert plan.planned == 401 and clock.evaluations == 1
-    assert str(made) == ("max_steps: 401, to end by max_time 100.125 s at 0.125 s per step "
+    # 11 + (100.125 - 1.625 - 2 * 0.5 - 2 * 0.125) / (0.125 + 0.5 / 4) = 11 + 389 = 400.
+    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (400, 0.125, 0.5, False)
+    assert plan.planned == 400 and clock.evaluations == 1
+    assert str(made) == ("max_steps: 400, to end by max_time 100.125 s at 0.125 s per step "
                          "and 0.50 s per evaluation")
 
 
@@ -83,14 +83,14 @@ def test_the_second_plan_halfway_times_only_the_steps_since_the_first_and_may_ra
     assert steps_until_a_plan(plan, clock, 12, 99, 0.0625) is None
     clock.evaluate(0.5)  # a periodic evaluation between the plans: left out of s
     at = steps_until_a_plan(plan, clock, 100, 400, 0.0625)
-    assert at == 11 + (401 - 11) // 2 == 206
+    assert at == 11 + (400 - 11) // 2 == 205
     made = plan.plan(at, clock.time_evaluation)
-    # Since step 11 (elapsed 1.625): 195 steps of 0.0625 s and one evaluation, elapsed 14.3125; the same e;
-    # 206 + (100.125 - 14.3125 - 2 * 0.5) / (0.0625 + 0.5 / 4) = 206 + 452.33 -> 658.
-    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (658, 0.0625, 0.5, True)
+    # Since step 11 (elapsed 1.625): 194 steps of 0.0625 s and one evaluation, elapsed 14.25; the same e;
+    # 205 + (100.125 - 14.25 - 2 * 0.5 - 2 * 0.0625) / (0.0625 + 0.5 / 4) = 205 + 452 = 657.
+    assert (made.max_steps, made.per_step, made.per_eval, made.again) == (657, 0.0625, 0.5, True)
     assert clock.evaluations == 2  # the first plan's timing and the periodic one: the second times none
-    assert str(made).startswith("max_steps: 658 (planned again), ")
-    assert steps_until_a_plan(plan, clock, 207, 658, 0.0625) is None  # no third plan
+    assert str(made).startswith("max_steps: 657 (planned again), ")
+    assert steps_until_a_plan(plan, clock, 206, 657, 0.0625) is None  # no third plan
 
 
 def test_the_plan_stays_within_the_step_taken_and_the_max_steps_configured():
@@ -102,16 +102,16 @@ def test_the_plan_stays_within_the_step_taken_and_the_max_steps_configured():
 
 def test_no_second_plan_when_halfway_is_fewer_than_ten_steps_on():
     clock = FakeClock()
-    # 11 + (7.125 - 1.625 - 1) / 0.25 = 29: halfway is step 20, 9 steps on.
+    # 11 + (7.125 - 1.625 - 1 - 0.25) / 0.25 = 28: halfway is step 19, 8 steps on.
     plan, made = first_plan(clock, max_time=7.125)
-    assert made.max_steps == 29
-    assert steps_until_a_plan(plan, clock, 12, 29, 0.125) is None
+    assert made.max_steps == 28
+    assert steps_until_a_plan(plan, clock, 12, 28, 0.125) is None
 
 
-def test_without_periodic_evaluations_only_the_final_one_is_kept_out_of_the_time():
-    # eval_interval 0: 11 + (100.125 - 1.625 - 2 * 0.5) / 0.125 = 11 + 780 = 791.
+def test_without_periodic_evaluations_only_the_final_one_and_the_slack_are_kept_out_of_the_time():
+    # eval_interval 0: 11 + (100.125 - 1.625 - 2 * 0.5 - 2 * 0.125) / 0.125 = 11 + 778 = 789.
     _, made = first_plan(FakeClock(), eval_interval=0)
-    assert made.max_steps == 791
+    assert made.max_steps == 789
 
 
 def test_the_ranks_agree_on_the_mean_they_are_given_rounded():
@@ -120,7 +120,7 @@ def test_the_ranks_agree_on_the_mean_they_are_given_rounded():
     steps_until_a_plan(plan, clock, 1, 11, 0.125)
     wanted = []
     made = plan.plan(11, clock.time_evaluation, agree=lambda steps: wanted.append(steps) or steps + 10.4)
-    assert wanted == [401.0] and made.max_steps == 411
+    assert wanted == [400.0] and made.max_steps == 410
 
 
 def test_a_session_resumed_with_a_plan_keeps_it_and_plans_no_more():

@@ -1,9 +1,11 @@
 """fit_to_time's step planner: the max_steps that end by max_time, from step and evaluation times measured.
 
 With s seconds per training step, e seconds per evaluation (one every eval_interval steps; none when it
-is 0), and the final evaluation and saves (about 2e) kept out of the time that remains,
+is 0), and the final evaluation and saves (about 2e) and two steps' slack (for steps that run slower than
+timed; max_time is a hard stop, which would end the run before its schedule does) kept out of the time that
+remains,
 
-    max_steps = step + (max_time - elapsed - 2e) / (s + e / eval_interval),
+    max_steps = step + (max_time - elapsed - 2e - 2s) / (s + e / eval_interval),
 
 averaged over ranks, rounded, and kept within [step, the max_steps configured]. A session that starts
 without a plan plans twice:
@@ -96,7 +98,8 @@ class StepPlanner:
         if first:
             self._per_eval = time_evaluation()
         per_step_with_evals = per_step + (self._per_eval / self.eval_interval if self.eval_interval else 0.0)
-        steps_left = max(0.0, (self.max_time - self.clock()[0] - 2 * self._per_eval) / per_step_with_evals)
+        reserve = 2 * self._per_eval + 2 * per_step  # the final evaluation and saves, and two steps' slack
+        steps_left = max(0.0, (self.max_time - self.clock()[0] - reserve) / per_step_with_evals)
         self.planned = min(self.cap, max(step, round(agree(step + steps_left))))
         halfway = step + (self.planned - step) // 2
         self._replan_at = halfway if first and halfway >= step + STEPS_TO_TIME else None
