@@ -1,4 +1,4 @@
-"""Learning per second on the `default` shape: variants of the default recipe at equal wall time (issue 12).
+"""Learning per second on the `default` shape: variants of the default recipe at equal wall time or steps.
 
     python benchmarks/ablate_default.py [--budget-s 300 | --steps N] [--shape 3x128] [--variants default ...] [--list]
 
@@ -132,7 +132,7 @@ def train(model_config: pf.GPTConfig, train_config: TrainConfig, data: pf.LMData
     return {**metrics, "parameters": model.num_parameters()}
 
 
-def length(budget_s: float, steps: int | None) -> dict[str, Any]:
+def length_fields(budget_s: float, steps: int | None) -> dict[str, Any]:
     """The TrainConfig fields that end a variant's run: after `steps`, or at the budget's end."""
     if steps is not None:
         return dict(max_steps=steps, max_time=None, fit_to_time=False)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            rows.append(run_variant(name, data, length(args.budget_s, args.steps), dict(shape), Path(tmp)))
+            rows.append(run_variant(name, data, length_fields(args.budget_s, args.steps), dict(shape), Path(tmp)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a later variant's failure keeps it
     per_variant = f"{args.steps} steps" if args.steps else f"{args.budget_s:g} s of training"
     print(f"default preset ({args.shape or 'its own shape'}) on Shakespeare characters, {per_variant} per variant, "

@@ -25,11 +25,10 @@ class TrainConfig(Config):
     at the end), grad_clip 0 turns clipping off. `lr` is the peak rate (the factor in front of the inverse_sqrt
     formula); `min_lr` is where the cosine or linear decay ends, at `decay_steps` (default max_steps).
     `max_time` (seconds, wall clock, including time spent before a resume) stops training early and gracefully;
-    with `fit_to_time` it
-    also sets the length: at the end of warmup, max_steps is lowered to the steps that end by max_time at the
-    speed measured so far (evaluations and the final save included), and set once more halfway from the warm
-    steps since (up to the max_steps given), so that the schedule has annealed when time is up, on a fast
-    machine or a slow one (kept in the checkpoint: a resume continues that plan). A micro-batch
+    with `fit_to_time` it also sets the length: at the end of warmup, max_steps is lowered to the steps that
+    end by max_time at the speed measured so far (evaluations and the final save included), and set once more
+    halfway from the warm steps since (up to the max_steps given), so that the schedule has annealed when time
+    is up, on a fast machine or a slow one (kept in the checkpoint: a resume continues that plan). A micro-batch
     holds `batch_size` rows per process; an optimizer step `batch_size * grad_accum_steps * world_size`.
     `parallel` picks DDP or FSDP2 under torchrun ("auto": DDP when there is more than one process). `optimizer`
     "muon" trains the blocks' matrices with Muon at peak rate `muon_lr` (same schedule) and everything else with
