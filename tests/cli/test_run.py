@@ -37,13 +37,13 @@ COMMAND = textwrap.dedent("""
 """)
 
 
-def run_child(code: str) -> subprocess.CompletedProcess:
+def run_child(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
-def run_command(status: int, setup: str = "pass") -> subprocess.CompletedProcess:
-    return run_child(COMMAND.format(status=status, setup=setup))
+def run_command(status: int, setup: str = "pass", **env: str) -> subprocess.CompletedProcess:
+    return run_child(COMMAND.format(status=status, setup=setup), **env)
 
 
 def test_the_command_exits_with_mains_status_after_atexit_and_a_flush_without_the_teardown():
@@ -56,6 +56,12 @@ def test_the_command_exits_with_mains_status_after_atexit_and_a_flush_without_th
 def test_a_thread_that_is_not_a_daemon_finishes_in_pythons_own_exit():
     child = run_command(0, setup="threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()")
     assert (child.returncode, child.stdout) == (0, "the productthread done\n")
+    assert "atexit ran" in child.stderr and "torn down" in child.stderr
+
+
+def test_a_torchrun_rank_takes_pythons_exit():
+    child = run_command(2, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    assert (child.returncode, child.stdout) == (2, "the product")
     assert "atexit ran" in child.stderr and "torn down" in child.stderr
 
 
