@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +45,7 @@ from plainformer.training.config import TrainConfig
 from plainformer.training.kernels import ATEN, choose_kernels, chosen_kernels
 from plainformer.training.optim import make_optimizer
 from plainformer.training.precision import matmul_rate
+from train_gpt import flops_per_step, import_nanogpt, training_step
 
 # name -> (GPT preset and its changes, recipe, rows per batch)
 SHAPES: dict[str, tuple[str, dict[str, Any], str, int]] = {
@@ -90,37 +91,23 @@ def group_of(name: str) -> str:
 
 def nanogpt_model(directory: Path, config: pf.GPTConfig) -> torch.nn.Module:
     """nanoGPT's `model.GPT` of `config`'s shape, from the checkout `directory`."""
-    sys.path.insert(0, str(directory))
-    try:
-        import model as nanogpt  # nanoGPT's model.py, from the user's checkout
-    finally:
-        sys.path.remove(str(directory))
+    nanogpt = import_nanogpt(directory)
     return nanogpt.GPT(nanogpt.GPTConfig(block_size=config.block_size, vocab_size=config.vocab_size,
                                          n_layer=config.n_layers, n_head=config.n_heads, n_embd=config.d_model,
                                          dropout=0.0, bias=config.bias)).train()
 
 
-def training_step(model: torch.nn.Module, optimizer: Any, batches: list[dict[str, torch.Tensor]],
-                  grad_clip: float, bf16: bool) -> Callable[[int], None]:
-    """step(i): one training step on batches[i % len(batches)], as the trainer takes it."""
-    def step(i: int) -> None:
-        batch = batches[i % len(batches)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(batch["idx"], batch["targets"])[1]
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+def cycling_loss(batches: list[dict[str, torch.Tensor]]) -> Callable[[torch.nn.Module], torch.Tensor]:
+    """loss_of(model): the loss on the next of `batches`, round and round."""
+    batch = itertools.cycle(batches)
+    return lambda model: model(**next(batch))[1]
 
 
-def fastest_profiles(steps_of: dict[str, Callable[[int], None]], steps: int, rounds: int) -> dict[str, Any]:
+def fastest_profiles(steps_of: dict[str, Callable[[], float]], steps: int, rounds: int) -> dict[str, Any]:
     """Each model's fastest of `rounds` profiles, the models alternating (the first goes first in even rounds)."""
     for step in steps_of.values():
-        for i in range(3):
-            step(i)
+        for _ in range(3):
+            step()
     best: dict[str, Any] = {}
     for round_ in range(rounds):
         for who in (list(steps_of) if round_ % 2 == 0 else list(steps_of)[::-1]):
@@ -130,12 +117,12 @@ def fastest_profiles(steps_of: dict[str, Callable[[int], None]], steps: int, rou
     return best
 
 
-def profile_steps(step: Callable[[int], None], steps: int) -> dict[str, Any]:
+def profile_steps(step: Callable[[], float], steps: int) -> dict[str, Any]:
     """ms per step by group and the ops by self time, over `steps` profiled steps."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        for i in range(steps):
-            step(i)
+        for _ in range(steps):
+            step()
         wall = time.perf_counter() - start
     ops = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()
            if e.self_cpu_time_total > 0]
@@ -156,22 +143,15 @@ def measure(name: str, args: argparse.Namespace, data: pf.LMData) -> dict[str, A
     torch.manual_seed(0)
     ours = pf.GPT(config).train()
     kernels = ATEN if bf16 else choose_kernels(ours, rows * config.block_size)[0]
-    steps_of = {"ours": training_step(ours, make_optimizer(ours, train), batches, train.grad_clip, bf16)}
+    steps_of = {"ours": training_step(ours, make_optimizer(ours, train), cycling_loss(batches), bf16, train.grad_clip)}
     if args.nanogpt is not None and preset != "default":
         theirs = nanogpt_model(args.nanogpt, config)
         optimizer = theirs.configure_optimizers(train.weight_decay, train.lr, (train.beta1, train.beta2), "cpu")
-        steps_of["nanogpt"] = training_step(theirs, optimizer, batches, train.grad_clip, bf16)
+        steps_of["nanogpt"] = training_step(theirs, optimizer, cycling_loss(batches), bf16, train.grad_clip)
     with chosen_kernels(ours, kernels):
         profiles = fastest_profiles(steps_of, args.steps, args.rounds)
     return {"shape": name, "batch": f"{rows}x{config.block_size}", "linear_kernels": kernels,
             "flops_per_step": flops_per_step(ours, rows * config.block_size), **profiles}
-
-
-def flops_per_step(model: pf.GPT, tokens: int) -> float:
-    config = model.config
-    position = model.position.embedding.weight.numel() if config.pos_encoding == "learned" else 0
-    return 6 * (model.num_parameters() - position) * tokens + 12 * config.n_layers * config.d_model * \
-        config.block_size * tokens
 
 
 def print_row(row: dict[str, Any], top: int) -> None:

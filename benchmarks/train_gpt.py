@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -81,13 +82,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def nanogpt_model(directory: Path, theirs: transformers.GPT2LMHeadModel, shape: dict) -> torch.nn.Module:
-    """nanoGPT's `model.GPT` from `directory`, with the weights of the Hugging Face GPT-2 `theirs`."""
+def import_nanogpt(directory: Path) -> Any:
+    """nanoGPT's model.py, imported from the user's checkout `directory`."""
     sys.path.insert(0, str(directory))
     try:
-        import model as nanogpt  # nanoGPT's model.py, from the user's checkout
+        import model as nanogpt
     finally:
         sys.path.remove(str(directory))
+    return nanogpt
+
+
+def nanogpt_model(directory: Path, theirs: transformers.GPT2LMHeadModel, shape: dict) -> torch.nn.Module:
+    """nanoGPT's `model.GPT` from `directory`, with the weights of the Hugging Face GPT-2 `theirs`."""
+    nanogpt = import_nanogpt(directory)
     config = nanogpt.GPTConfig(block_size=shape["block_size"], vocab_size=shape["vocab_size"],
                                n_layer=shape["n_layers"], n_head=shape["n_heads"], n_embd=shape["d_model"],
                                dropout=0.0, bias=True)
@@ -105,13 +112,16 @@ def matmul_peak() -> dict[str, float]:
     return {"fp32": matmul_rate(torch.float32, seconds=1.0), "bf16": matmul_rate(torch.bfloat16, seconds=1.0)}
 
 
-def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable,
-                  bf16: bool) -> Callable[[], float]:
-    """A function running one training step and returning its loss."""
+def training_step(model: torch.nn.Module, optimizer: Any, loss_of: Callable, bf16: bool,
+                  grad_clip: float = 0.0) -> Callable[[], float]:
+    """A function running one training step (clipping the gradients' norm at grad_clip when it is > 0)
+    and returning its loss."""
     def step() -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_of(model)
         loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -120,8 +130,10 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
 
 
 def flops_per_step(model: pf.GPT, tokens: int) -> float:
+    """6·N·tokens + 12·L·d_model·T·tokens, N the parameters without a learned position table."""
     config = model.config
-    n = model.num_parameters() - model.position.embedding.weight.numel()
+    position = model.position.embedding.weight.numel() if config.pos_encoding == "learned" else 0
+    n = model.num_parameters() - position
     return 6 * n * tokens + 12 * config.n_layers * config.d_model * config.block_size * tokens
 
 
