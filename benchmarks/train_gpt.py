@@ -11,9 +11,9 @@ their first losses (in the JSON line) agree. The peer is `transformers.GPT2LMHea
 (attn_implementation="sdpa") with a plain `torch.optim.AdamW`; ours is `plainformer.GPT` (attention
 backend "auto") with the optimizer our trainer builds by default (`training.make_optimizer`, the fused
 AdamW kernel), no torch.compile; in fp32 its linear layers multiply on the kernels `train` would choose
-on this CPU (`training.kernels`: aten's or oneDNN's, measured per product, printed under its row when
-not all aten's). fp32, and bf16 under torch.autocast on both sides. The process keeps the memory it frees
-(`memory.keep_freed_memory`, as the `plainformer` command does), for every model alike.
+on this CPU (`training.kernels`: aten's or oneDNN's, measured per product and on the layers' step, printed
+under its row when not all aten's). fp32, and bf16 under torch.autocast on both sides. The process keeps
+the memory it frees (`memory.keep_freed_memory`, as the `plainformer` command does), for every model alike.
 With `--nanogpt DIR` (a checkout of https://github.com/karpathy/nanoGPT, imported from there at run time,
 never copied here), nanoGPT's own `model.GPT` joins as a second peer with the same weights (its names are
 GPT-2's; its GELU is the exact one where the pair's is the tanh form) and the optimizer its
