@@ -142,10 +142,16 @@ def choose_kernels(model: nn.Module, rows: int) -> tuple[dict[str, str], dict[st
     return (chosen if speedups["step"] >= MIN_STEP_SPEEDUP else dict(ATEN)), speedups
 
 
-def _operands(rows: int, d_in: int, d_out: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """product -> (a, b_t) with product = a b_tᵀ, as `_LinearProducts` passes them (constant entries:
-    the time does not depend on the values, and the run's RNG streams stay untouched)."""
+def _layer_tensors(rows: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x (rows, d_in), W (d_out, d_in) and G (rows, d_out) of one layer to time, with constant entries: the
+    time does not depend on the values, and the run's RNG streams stay untouched."""
     x, weight, grad = (torch.full(shape, 0.5) for shape in [(rows, d_in), (d_out, d_in), (rows, d_out)])
+    return x, weight, grad
+
+
+def _operands(rows: int, d_in: int, d_out: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """product -> (a, b_t) with product = a b_tᵀ, as `_LinearProducts` passes them."""
+    x, weight, grad = _layer_tensors(rows, d_in, d_out)
     return {"forward": (x, weight), "grad_input": (grad, weight.t()), "grad_weight": (grad.t(), x.t())}
 
 
@@ -159,10 +165,10 @@ def _kernel_seconds(a: Tensor, b_t: Tensor) -> dict[str, float]:
 
 def _step_seconds(rows: int, d_in: int, d_out: int, kernels: Mapping[str, str]) -> tuple[float, float]:
     """(F.linear's, `_LinearProducts` on `kernels`') best seconds for one layer's forward and backward,
-    the gradients of x and W, at `rows` rows (constant entries, as `_operands`)."""
-    x = torch.full((rows, d_in), 0.5, requires_grad=True)
-    weight = torch.full((d_out, d_in), 0.5, requires_grad=True)
-    grad = torch.full((rows, d_out), 0.5)
+    the gradients of x and W, at `rows` rows."""
+    x, weight, grad = _layer_tensors(rows, d_in, d_out)
+    x.requires_grad_()
+    weight.requires_grad_()
     seconds = fastest({
         "aten": lambda: torch.autograd.grad(F.linear(x, weight), (x, weight), grad),
         "chosen": lambda: torch.autograd.grad(_LinearProducts.apply(x, weight, None, kernels), (x, weight), grad),
