@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -254,3 +256,65 @@ def test_the_base_s_chat_template_rides_into_the_hf_export_and_the_gguf(capsys, 
     assert run_cli(capsys, "export", "--ckpt", tmp_path / "base", "--out", tmp_path / "m.gguf")[0] == 0
     field = gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.chat_template"]
     assert bytes(field.parts[-1]).decode() == template
+
+
+def test_export_to_a_fifo_or_a_device_is_refused_in_one_line_and_leaves_it_as_it_is(run, capsys, tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    os.mknod(tmp_path / "full", 0o666 | stat.S_IFCHR, os.makedev(1, 7))  # /dev/full's numbers; the suite runs as root
+    for target in (tmp_path / "pipe", tmp_path / "full"):
+        kind = stat.S_IFMT(target.lstat().st_mode)
+        code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", target, "--format", "gguf")
+        assert code == 2 and stdout == ""
+        assert stderr.startswith(f"plainformer: error: {target} is a ") and len(stderr.splitlines()) == 1
+        assert stat.S_IFMT(target.lstat().st_mode) == kind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "pipe"]
+
+
+def test_export_to_gguf_over_a_directory_is_refused_in_one_line(run, capsys, tmp_path):
+    (tmp_path / "x.gguf").mkdir()
+    code, _, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "x.gguf")
+    assert code == 2
+    assert stderr == (f"plainformer: error: --out {tmp_path / 'x.gguf'} is a directory; a GGUF export writes one file: "
+                      "give --out FILE.gguf\n")
+
+
+@pytest.mark.parametrize("inside", ["best", "best/hf", "last/model.gguf", ".", "plots/x.gguf"])
+def test_export_into_a_run_or_its_checkpoint_is_refused_and_leaves_the_checkpoint_whole(run, capsys, inside):
+    before = {p: p.read_bytes() for p in (run / "best").iterdir()}
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", run / inside)
+    assert code == 2 and stdout == ""
+    holder = run / "best" if inside.startswith("best") else run / "last" if inside.startswith("last") else run
+    assert stderr == (f"plainformer: error: --out {run / inside} is inside the run or checkpoint directory "
+                      f"{holder}, whose files it could replace; write it outside that directory\n")
+    assert {p: p.read_bytes() for p in (run / "best").iterdir()} == before
+    assert pf.GPT.from_checkpoint(run / "best") is not None  # its manifest still verifies
+
+
+def test_export_through_a_symbolic_link_writes_the_file_it_names(run, capsys, tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "latest.gguf").symlink_to(tmp_path / "models" / "v1.gguf")
+    code, _, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "latest.gguf")
+    assert code == 0, stderr
+    assert (tmp_path / "latest.gguf").is_symlink()
+    assert (tmp_path / "models" / "v1.gguf").read_bytes()[:4] == b"GGUF"
+
+
+def test_an_export_removes_the_temporaries_a_killed_export_left(run, capsys, tmp_path):
+    killed = subprocess.Popen(["sleep", "60"])
+    killed.kill()
+    killed.wait()
+    (tmp_path / "hf").mkdir()
+    left = [tmp_path / f".model.gguf.tmp-{killed.pid}-0123456789ab",
+            tmp_path / "hf" / f".model.safetensors.tmp-{killed.pid}-0123456789ab"]
+    for temporary in left:
+        temporary.write_bytes(bytes(1 << 20))
+    assert run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "model.gguf")[0] == 0
+    assert run_cli(capsys, "export", "--ckpt", run, "--out", tmp_path / "hf")[0] == 0
+    assert not any(temporary.exists() for temporary in left)
+
+
+def test_an_export_name_of_250_characters_is_written(run, capsys, tmp_path):
+    out = tmp_path / ("m" * 245 + ".gguf")
+    code, _, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", out)
+    assert code == 0, stderr
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]

@@ -34,7 +34,8 @@ from .. import _checks, families
 from .._version import __version__
 from ..config import Config
 from ..errors import UserError
-from ..families.family import Family
+from ..families.family import Family, run_or_checkpoint_holding
+from ..generation.sampling import SEED_RANGE
 from ..launch import is_main_process, launch_from_env, log
 from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
 from ..models.saved import SavedModel
@@ -103,7 +104,7 @@ def _checked(kind: Callable[[str], Any], expected: str, accept: Callable[[Any], 
 
 positive_int = _checked(int, "a positive integer", lambda v: v >= 1)
 non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
-seed_int = _checked(int, "a seed, an integer in [0, 2**64)", lambda v: 0 <= v < 2**64)
+seed_int = _checked(int, "a seed, an integer in [0, 2**64)", lambda v: 0 <= v < SEED_RANGE)
 non_negative_float = _checked(float, "a finite number >= 0", lambda v: v >= 0)
 positive_float = _checked(float, "a finite number > 0", lambda v: v > 0)
 rate = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
@@ -154,6 +155,15 @@ def load_any(path: Path) -> tuple[SavedModel, Family]:
         raise UserError(f"--ckpt {path} does not exist")
     model = families.load_model(path)
     return model, families.get(model.family)
+
+
+def check_output_path(flag: str, path: Path) -> None:
+    """A UserError when `path`, a file or directory a command is to write, is or lies in a run or checkpoint
+    directory (`--out RUN/best` would overwrite the checkpoint's own files)."""
+    holder = run_or_checkpoint_holding(path)
+    if holder is not None:
+        raise UserError(f"{flag} {path} is inside the run or checkpoint directory {holder}, whose files it could "
+                        "replace; write it outside that directory")
 
 
 def stdin_lines() -> list[str]:

@@ -24,7 +24,7 @@ from ..files.atomic import atomic_path
 from ..models.attention_html import DECIMALS, PROBABILITY_DECIMALS, attention_html, token_labels
 from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.saved import SavedModel
-from . import CKPT_HELP, UserError, load_any
+from . import CKPT_HELP, UserError, check_output_path, load_any
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -72,6 +72,9 @@ def _check_attention_outputs(args: argparse.Namespace) -> None:
         raise UserError("--layer and --head choose what the PNG --out shows; the --html page holds every one")
     if not 1 <= args.decimals <= PROBABILITY_DECIMALS:
         raise UserError(f"--decimals must be in [1, {PROBABILITY_DECIMALS}], got {args.decimals}")
+    for flag, path in (("--out", args.out), ("--html", args.html)):
+        if path is not None:
+            check_output_path(flag, path)
 
 
 def _attention_inputs(args: argparse.Namespace, model: SavedModel, family: Family,

@@ -15,7 +15,7 @@ import torch
 from ..families.bert import model_location
 from ..files.atomic import atomic_path
 from ..hf.sentence import SentenceEncoder
-from . import UserError, add_dtype_argument, add_product_arguments, positive_int, stdin_lines
+from . import UserError, add_dtype_argument, add_product_arguments, check_output_path, positive_int, stdin_lines
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -60,6 +60,8 @@ def run_embed(args: argparse.Namespace) -> dict[str, Any]:
     texts = args.texts or stdin_lines()
     if args.npy is not None and args.npy.suffix != ".npy":
         raise UserError(f"--npy must name a .npy file, got {args.npy}")
+    if args.npy is not None:
+        check_output_path("--npy", args.npy)
     encoder = load_encoder(args.model)
     start = time.perf_counter()
     embeddings = encoder.encode(texts, args.batch_size, dtype=DTYPES[args.dtype]).cpu().numpy()

@@ -23,7 +23,7 @@ from ..hf.gguf import GGUF_TYPES
 from ..hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_peft_names, save_lora
 from ..models.saved import SavedModel
 from ..nn.lora import LoRALinear, unload_lora
-from . import CKPT_HELP, UserError, load_any
+from . import CKPT_HELP, UserError, check_output_path, load_any
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -75,6 +75,9 @@ def _export_hf(args: argparse.Namespace, model: SavedModel, family: Family) -> d
 def _export_format(args: argparse.Namespace) -> str:
     """"hf" or "gguf": --format's, else the suffix of --out's; the flags that go together checked."""
     form = args.format or ("gguf" if args.out.suffix == ".gguf" else "hf")
+    check_output_path("--out", args.out)
+    if form == "gguf" and args.out.is_dir():
+        raise UserError(f"--out {args.out} is a directory; a GGUF export writes one file: give --out FILE.gguf")
     if args.adapter and (args.format or args.gguf_type or form != "hf"):
         raise UserError("--adapter writes an adapter directory in PEFT's format: leave out --format and "
                         "--gguf-type, and give --out a directory")

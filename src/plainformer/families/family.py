@@ -160,6 +160,22 @@ def checkpoint_dir(path: Path) -> Path:
     return path
 
 
+def run_or_checkpoint_holding(path: Path) -> Path | None:
+    """The run or checkpoint directory that `path` is or lies in (the nearest; links followed), else None:
+    where an output written by a command would replace or mix with the files a run owns."""
+    path = path.resolve()
+    return next((folder for folder in (path, *path.parents) if _is_run_or_checkpoint(folder)), None)
+
+
+def _is_run_or_checkpoint(folder: Path) -> bool:
+    return ((folder / MANIFEST).is_file() or (folder / RECIPE_FILE).is_file()
+            or any(_holds_manifest(find_checkpoint(folder / name)) for name in ("best", "last")))
+
+
+def _holds_manifest(folder: Path | None) -> bool:
+    return folder is not None and (folder / MANIFEST).is_file()
+
+
 def refuse_non_model(path: Path) -> None:
     """A ValueError for a directory that holds no plainformer checkpoint and no Hugging Face model, saying
     what its config.json lacks if it has one; nothing for any other path (a checkpoint, or one to be found
