@@ -36,6 +36,19 @@ def test_num_samples_prints_each_sample_as_its_seed_alone_would(capsys, run):
     assert batch == "---\n".join(alone)
 
 
+def test_the_largest_seed_with_two_samples_wraps_to_seed_zero(capsys, run):
+    batch = sample(capsys, run, "--prompt", "To be", "--num-samples", "2", "--seed", str(2**64 - 1))
+    alone = [sample(capsys, run, "--prompt", "To be", "--seed", str(seed)) for seed in (2**64 - 1, 0)]
+    assert batch == "---\n".join(alone)
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "3e-38"])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(capsys, run, temperature):
+    for argv in ([], ["--num-samples", "2"]):
+        tiny = sample(capsys, run, "--prompt", "To be", "--temperature", temperature, *argv)
+        assert tiny == sample(capsys, run, "--prompt", "To be", "--temperature", "0", *argv)
+
+
 def test_a_prompt_file_samples_its_lines_in_order_in_one_batch(capsys, run, tmp_path):
     prompts = ["To be", "that is the question", "T"]
     path = tmp_path / "prompts.txt"

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.generation.batching import ContinuousBatcher, Job, PromptScores, QueueFull, Sampling, Token
+from plainformer.generation.batching import (
+    ContinuousBatcher,
+    Failed,
+    Job,
+    PromptScores,
+    QueueFull,
+    Sampling,
+    Token,
+)
 from plainformer.generation.stopping import StopStrings
 
 VOCAB, BLOCK = 40, 48
@@ -173,3 +181,66 @@ def test_submit_refuses_what_cannot_fit_and_a_full_queue(model):
     batcher.submit(Job([1], 1, Collector()))
     with pytest.raises(QueueFull, match="--max-queue 1"):
         batcher.submit(Job([1], 1, Collector()))
+
+
+def test_a_tiny_temperature_decodes_greedily_beside_a_sampled_row(model, batcher):
+    sampled, tiny = Collector(), Collector()
+    batcher.submit(Job([3, 1, 4], 20, sampled, sampling=Sampling(temperature=1.0), seeds=[5]))
+    batcher.submit(Job([2, 7], 20, tiny, sampling=Sampling(temperature=3e-38), seeds=[6]))
+    assert sampled.done.wait(30) and tiny.done.wait(30)
+    assert sampled.tokens() == alone(model, [3, 1, 4], 20, 1.0, 5)
+    assert tiny.tokens() == alone(model, [2, 7], 20, 0.0, 0)
+    assert not [e for e in sampled.events + tiny.events if isinstance(e, Failed)]
+
+
+class PoisonedDecoder:
+    """The model's decoder, rigged: after token TRIGGER the next token is POISON for certain, after POISON the
+    logits are NaN (what a broken row gives), and elsewhere neither is drawn (their logits are -inf)."""
+
+    TRIGGER, POISON = 0, 1
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.block_size = decoder.block_size
+
+    def new_kv_caches(self, batch_size):
+        return self.decoder.new_kv_caches(batch_size)
+
+    def __call__(self, idx, **kwargs):
+        logits, caches = self.decoder(idx, **kwargs)  # (B, n, V)
+        last = idx[:, -1:, None]  # (B, 1, 1)
+        logits = logits.clone()
+        logits[..., [self.TRIGGER, self.POISON]] = float("-inf")
+        certain = torch.full_like(logits, float("-inf")).index_fill(-1, torch.tensor([self.POISON]), 0.0)
+        logits = torch.where(last == self.TRIGGER, certain, logits)
+        return logits.masked_fill(last == self.POISON, float("nan")), caches
+
+    def all_logits(self, idx, **kwargs):
+        return self.decoder.all_logits(idx, **kwargs)
+
+
+def _decode(decoder, jobs: list[tuple[Job, Collector]]) -> None:
+    batcher = ContinuousBatcher(decoder, max_rows=4)
+    for job, _ in jobs:
+        batcher.submit(job)
+    batcher.start()
+    try:
+        assert jobs[0][1].done.wait(30)
+    finally:
+        batcher.stop()
+    assert batcher.active_rows == 0
+
+
+def test_a_row_without_a_distribution_fails_its_own_job_alone(model):
+    decoder = PoisonedDecoder(model.decoder())
+    alone_, healthy, at_prefill, at_step = Collector(), Collector(), Collector(rows=2), Collector()
+    _decode(decoder, [(Job([2, 3], 30, alone_, sampling=Sampling(temperature=1.0), seeds=[3]), alone_)])
+    _decode(decoder, [(Job([2, 3], 30, healthy, sampling=Sampling(temperature=1.0), seeds=[3]), healthy),
+                      (Job([5, decoder.POISON], 30, at_prefill, sampling=Sampling(temperature=0.7), seeds=[1, 2]),
+                       at_prefill),
+                      (Job([5, decoder.TRIGGER], 30, at_step, sampling=Sampling(temperature=1e-30), seeds=[0]),
+                       at_step)])
+    assert healthy.tokens() == alone_.tokens() and healthy.events[-1].finish == "length"
+    assert [type(e) for e in at_prefill.events] == [Failed]
+    assert [type(e) for e in at_step.events] == [Token, Failed] and at_step.tokens() == [decoder.POISON]
+    assert "NaN or +inf" in at_step.events[-1].message

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import plainformer as pf
 from plainformer.generation.decoding import generate_prompts, iter_generate, pad_prompts
+from plainformer.generation.sampling import derived_seed
 from plainformer.generation.stopping import StopStrings
 
 DRAWS = 20_000
@@ -39,6 +40,20 @@ def test_temperature_zero_and_top_k_one_are_argmax(row, batch):
     expected = logits.argmax(dim=-1)
     assert torch.equal(pf.sample_next(logits, temperature=0), expected)
     assert torch.equal(pf.sample_next(logits, temperature=0.7, top_k=1), expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(logits_rows, st.sampled_from([3e-38, 1e-300, 5e-324, 1e-30]))
+def test_a_temperature_too_small_for_z_over_t_is_greedy_not_nan(row, temperature):
+    # z / T overflows to +inf for these T (the float32 z / 3e-38 already does), and its softmax is NaN
+    logits = torch.tensor([row, [v * 3 for v in row]])
+    assert torch.equal(pf.sample_next(logits, temperature=temperature, generator=torch.Generator().manual_seed(0)),
+                       logits.argmax(dim=-1))
+
+
+def test_derived_seeds_wrap_at_2_to_the_64():
+    assert [derived_seed(2**64 - 1, offset) for offset in range(3)] == [2**64 - 1, 0, 1]
+    torch.Generator().manual_seed(derived_seed(2**64 - 1, 5))  # in the generator's range
 
 
 def test_samples_follow_softmax_of_logits_over_temperature():

@@ -73,6 +73,27 @@ def test_n_choices_are_the_samples_of_seed_plus_i(client, run, capsys):
     assert ["To" + c.text + "\n" for c in answer.choices] == samples
 
 
+def test_a_tiny_temperature_decodes_greedily_and_leaves_a_running_stream_alone(client):
+    request = dict(model=MODEL, prompt="To be", max_tokens=60, seed=1, temperature=1.0)
+    whole = client.completions.create(**request)
+    stream = client.completions.create(**request, stream=True)
+    first = next(iter(stream))  # the stream's row is in the batch now
+    tiny = client.completions.create(model=MODEL, prompt="Whether", max_tokens=30, temperature=3e-38, seed=2)
+    greedy = client.completions.create(model=MODEL, prompt="Whether", max_tokens=30, temperature=0)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    rest = list(stream)
+    assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == whole.choices[0].text
+    assert rest[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_the_largest_seed_with_two_prompts_of_two_choices_wraps_as_sample_does(client, run, capsys):
+    answer = client.completions.create(model=MODEL, prompt=["To", "Whether"], max_tokens=12, n=2, seed=2**64 - 1,
+                                       temperature=1.0)
+    assert main(["sample", "--ckpt", str(run), "--prompt", "Whether", "--max-new-tokens", "12", "--seed", "1",
+                 "--temperature", "1.0", "--num-samples", "2"]) == 0
+    assert ["Whether" + c.text + "\n" for c in answer.choices[2:]] == capsys.readouterr().out.split("---\n")
+
+
 def test_stream_chunks_concatenate_to_the_whole_text(client):
     request = dict(model=MODEL, prompt=["To be", "Whether 'tis"], max_tokens=25, seed=3, n=2, temperature=1.0)
     whole = client.completions.create(**request)

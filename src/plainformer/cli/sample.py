@@ -24,6 +24,7 @@ import torch
 from ..families.family import checkpoint_dir
 from ..families.gpt import check_decoding_memory, load_language_model
 from ..generation.decoding import generate_prompts, iter_generate
+from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings
 from ..inference import for_decoding
 from ..models.gpt import GPT
@@ -155,7 +156,7 @@ def _batch(model: GPT, prompts: list[str], encoded: list[list[int]], args: argpa
     tokenizer = model.tokenizer
     assert tokenizer is not None  # load_language_model refuses a model without one
     rows = [(prompt, ids) for prompt, ids in zip(prompts, encoded, strict=True) for _ in range(args.num_samples)]
-    generators = [torch.Generator().manual_seed(args.seed + row) for row in range(len(rows))]
+    generators = [torch.Generator().manual_seed(derived_seed(args.seed, row)) for row in range(len(rows))]
     outputs = generate_prompts(model.decoder(), [ids for _, ids in rows], args.max_new_tokens, stop=stop,
                                generator=generators, device=model.token_embedding.weight.device, **options)
     new_tokens = 0

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..nn.kv_cache import KVCache, RowsKVCache
-from .sampling import check_sampling, draw_next, raise_if_undefined
+from .sampling import check_sampling, draw_next
 from .stopping import StopStrings
 
 #: (token id, its log-probability) pairs, most likely first.
@@ -291,11 +291,16 @@ class ContinuousBatcher:
         self.steps += 1
 
     def _advance(self, rows: list[_Row], logits: Tensor) -> list[bool]:
-        """Draw each row's next token from its logits (B, V) and report it -> which rows are done."""
-        tokens = _draw(rows, logits)
+        """Draw each row's next token from its logits (B, V) and report it -> which rows are done. A row
+        with no distribution to draw from fails its own job alone: the other requests' rows go on."""
+        tokens, undefined = _draw(rows, logits)
         scores = _scores(rows, logits, tokens)
         finished = []
-        for row, token, (logprob, top) in zip(rows, tokens, scores, strict=True):
+        for row, token, (logprob, top), broken in zip(rows, tokens, scores, undefined, strict=True):
+            if broken or row.job.cancelled:
+                _fail(row.job, broken)
+                finished.append(True)
+                continue
             row.last = token
             row.drawn.append(token)
             finish = _finish_reason(row)
@@ -332,19 +337,31 @@ def _generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
 
 
-def _draw(rows: list[_Row], logits: Tensor) -> list[int]:
-    """Each row's next token, drawn with its own settings and generator (rows that share settings at once)."""
-    tokens: list[Tensor | None] = [None] * len(rows)
+def _draw(rows: list[_Row], logits: Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's next token, drawn with its own settings and generator (rows that share settings at once),
+    and whether the row had no distribution to draw from (NaN or +inf logits, or only -inf), in one host read."""
+    drawn = torch.empty(2, len(rows), dtype=torch.long, device=logits.device)  # (token, undefined) per row
+    drawn[1] = 0
     groups: dict[Sampling, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.job.sampling, []).append(i)
     for sampling, members in groups.items():
-        drawn, undefined = draw_next(logits[members], temperature=sampling.temperature, top_k=sampling.top_k,
-                                     top_p=sampling.top_p, generator=[rows[i].generator for i in members])
-        raise_if_undefined(undefined)
-        for i, token in zip(members, drawn, strict=True):
-            tokens[i] = token
-    return torch.stack(tokens).tolist()  # type: ignore[arg-type]  # every row was drawn
+        tokens, undefined = draw_next(logits[members], temperature=sampling.temperature, top_k=sampling.top_k,
+                                      top_p=sampling.top_p, generator=[rows[i].generator for i in members])
+        drawn[0, members] = tokens
+        if undefined is not None:
+            drawn[1, members] = undefined.long()
+    tokens_list, undefined_list = drawn.tolist()
+    return tokens_list, [bool(flag) for flag in undefined_list]
+
+
+def _fail(job: Job, broken: bool) -> None:
+    """End `job` (its other rows leave at the next step): with one line to its client if a row of it had
+    no distribution, silently if it was cancelled."""
+    if broken and not job.cancelled:
+        job.emit(Failed("decoding failed: the model's logits hold NaN or +inf, or only -inf: there is no "
+                        "distribution to sample from"))
+    job.cancelled = True
 
 
 def _scores(rows: list[_Row], logits: Tensor, tokens: list[int]) -> list[tuple[float | None, TopLogprobs | None]]:

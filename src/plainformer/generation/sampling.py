@@ -1,6 +1,10 @@
 """Drawing the next token from logits z (B, V): softmax(z / T), restricted to the k most likely
 tokens (top-k) and/or to the smallest set whose probability reaches p (top-p, nucleus sampling).
-Temperature T = 0 takes argmax z (greedy).
+Temperature T = 0 takes argmax z (greedy); any T > 0 the checks accept decodes, however small, since
+the scaling is done on z - max z.
+
+Seeds: a row's seed is derived from a request's by an offset (`derived_seed`), wrapping at 2**64, the
+range `torch.Generator.manual_seed` takes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,16 @@ from .. import _checks
 
 #: One generator for the batch, or one per row (a row then draws what it would alone).
 Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+SEED_RANGE = 2**64
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """The seed of row `offset` of a batch seeded with `seed`: seed + offset, wrapped into [0, 2**64), so
+    that seed 2**64 - 1 with two samples gives 2**64 - 1 and 0 rather than an overflow."""
+    return (seed + offset) % SEED_RANGE
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -50,14 +64,28 @@ def draw_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: f
     the caller."""
     if temperature == 0:
         return logits.argmax(dim=-1), None
-    logits = logits.float() / temperature
+    logits = logits.float()
     undefined = (logits.isnan() | (logits == math.inf)).any(-1) | (logits == -math.inf).all(-1)  # (B,)
+    logits = _scaled(logits, temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p is not None and top_p < 1.0:
         logits = _nucleus(logits, top_p)
     return _categorical(torch.softmax(logits, dim=-1), generator), undefined
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """(z - max z) / T, row by row (B, V): softmax's argument at temperature T, shifted so that it never
+    overflows. z / T itself reaches +inf once T is small enough (z = 10, T = 1e-38), and its softmax is
+    then NaN; the shifted row has its largest entry at 0 and the others at or towards -inf, so a tiny T
+    draws among the most likely tokens, as the limit T -> 0 (greedy) does. softmax is unchanged by the
+    shift. A T below float32's smallest normal number (1e-300, say) would round to 0 in float32, so the
+    division is done in float64 then; the quotients that float32 cannot hold become -inf, as they should."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    if temperature < _FLOAT32_TINY:
+        return (shifted.double() / temperature).float()
+    return shifted / temperature
 
 
 def raise_if_undefined(undefined: Tensor | None) -> None:

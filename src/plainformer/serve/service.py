@@ -27,6 +27,7 @@ from ..generation.batching import (
     Sampling,
     Token,
 )
+from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings
 from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
@@ -117,7 +118,7 @@ class Exchange:
             max_new = service.max_new_tokens(ids, decoding.max_tokens, params[i] if params else "prompt")
             seed = decoding.seed
             job = Job(ids, max_new, self._emitter(loop, i), sampling=sampling,
-                      seeds=[None if seed is None else seed + i * n + j for j in range(n)],
+                      seeds=[None if seed is None else derived_seed(seed, i * n + j) for j in range(n)],
                       eos_id=tokenizer.eos_id, stop=self.stop, logprobs=logprobs,
                       prompt_logprobs=logprobs if echo and logprobs is not None else None)
             if max_new or job.prompt_logprobs is not None:
