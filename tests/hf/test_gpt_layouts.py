@@ -82,7 +82,7 @@ def test_a_key_a_gpt2_config_json_leaves_out_takes_the_transformers_default():
     assert ours.activation == "gelu_tanh" and theirs.activation_function == "gelu_new"
 
 
-@pytest.mark.parametrize("name", ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"])
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "relu2"])
 def test_each_gpt2_activation_function_is_read_as_ours_that_computes_it(name):
     """float64, so that equal functions agree to rounding (1e-12) whatever the CPU."""
     activation = gpt_layouts.GPT2.config_from_hf({"activation_function": name})["activation"]
@@ -96,7 +96,7 @@ def test_each_gpt2_activation_function_is_read_as_ours_that_computes_it(name):
 
 def test_a_gpt2_activation_function_without_ours_is_refused_listing_those_read():
     with pytest.raises(ValueError, match=r"activation_function='silu' is not supported; expected one of 'gelu', "
-                                         r"'relu', 'gelu_new', 'gelu_pytorch_tanh'$"):
+                                         r"'relu', 'relu2', 'gelu_new', 'gelu_pytorch_tanh'$"):
         gpt_layouts.GPT2.config_from_hf({"activation_function": "silu"})
 
 

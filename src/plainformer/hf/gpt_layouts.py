@@ -80,8 +80,9 @@ class Layout:
 
 # ----------------------------------------------------------------------------- GPT-2
 
-# Our activation -> GPT-2's activation_function (its "gelu_new" is the tanh approximation).
-_GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+# Our activation -> GPT-2's activation_function (its "gelu_new" is the tanh approximation; transformers
+# computes any name of its ACT2FN, "relu2" = max(0, x)² among them).
+_GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
 _GPT2_TANH_ALIASES = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -105,7 +106,7 @@ def _gpt2_config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     activation = hf.get("activation_function", "gelu_new")
-    ours = {"gelu": "gelu", "relu": "relu", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
+    ours = {"gelu": "gelu", "relu": "relu", "relu2": "relu2", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
     if activation not in ours:
         raise ValueError(f"activation_function={activation!r} is not supported; expected one of "
                          f"{', '.join(map(repr, ours))}")
