@@ -302,9 +302,24 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
                          f"{layout} needs {field}={value!r}")
 
 
+# GPTConfig fields that change what the model computes and that none of these architectures has, at the value
+# that leaves them out. (zero_init changes the initialisation alone: a model trained with it exports as any.)
+_ONLY_OURS: dict[str, Any] = dict(logit_softcap=None, embed_norm=False, x0_mix=False, value_residual=False,
+                                  token_shift=False, bigram_embedding=False)
+
+
+def field_without_layout(config: GPTConfig) -> str | None:
+    """The first field of `_ONLY_OURS` that `config` sets, None if it sets none."""
+    return next((field for field, value in _ONLY_OURS.items() if getattr(config, field) != value), None)
+
+
 def layout_for(config: GPTConfig) -> Layout:
     """The layout a GPT with this config exports to: Mixtral with experts, else GPT-2 for learned
     positions, Llama for rotary."""
+    field = field_without_layout(config)
+    if field is not None:
+        raise ValueError(f"{field}={getattr(config, field)!r} has no Hugging Face or GGUF layout here: "
+                         f"GPT-2, Llama and Mixtral need {field}={_ONLY_OURS[field]!r}")
     if config.n_experts:
         return MIXTRAL
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:
