@@ -428,10 +428,11 @@ def _reference_logits(model: pf.GPT, idx: torch.Tensor) -> torch.Tensor:
     return c.logit_softcap * torch.tanh(z / c.logit_softcap)
 
 
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
-def test_every_variant_at_once_equals_the_float64_forward_written_from_their_equations(pos_encoding):
+def test_every_variant_at_once_equals_the_float64_forward_written_from_their_equations(pos_encoding, backend):
     model = moved_off_start(_gpt(**GPT_VARIANTS_49, n_layers=3, n_kv_heads=2, norm="rmsnorm",
-                                 pos_encoding=pos_encoding))
+                                 pos_encoding=pos_encoding, backend=backend))
     idx = _tokens(3, 12)
     with torch.no_grad():
         logits = model(idx)[0]
