@@ -284,8 +284,9 @@ class GPT(SavedModel):
             for weight in block.residual_projections():
                 nn.init.normal_(weight, std=residual_std)
         if config.zero_init:  # every residual branch adds 0 at first, and every logit is 0 (an untied head)
-            for weight in [w for block in cast(Iterable[Block], self.blocks) for w in block.residual_projections()]:
-                nn.init.zeros_(weight)
+            for block in cast(Iterable[Block], self.blocks):
+                for weight in block.residual_projections():
+                    nn.init.zeros_(weight)
             nn.init.zeros_(self.lm_head.weight)
         if self.bigram is not None:  # _init_weights drew it as any embedding: it starts at 0, as a no-op
             nn.init.zeros_(self.bigram.table.weight)
