@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import plainformer as pf
+from tests.reference.tiny_models import GPT_VARIANTS_49
 
 SYNC_OP = "aten::_local_scalar_dense"
 TINY_GPT = dict(vocab_size=40, block_size=32, n_layers=2, n_heads=2, d_model=16, d_ff=32)
@@ -51,6 +52,21 @@ def test_a_gpt_training_forward_and_backward_perform_no_sync(pos_encoding, backe
         loss.backward()
 
     assert count_syncs(step) == 0
+
+
+def test_a_gpt_with_every_issue_49_variant_trains_and_decodes_padded_prompts_without_a_sync_of_its_own():
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(**TINY_GPT, **GPT_VARIANTS_49, pos_encoding="rope")).train()
+    idx, targets = _ids(40, 2, 16), _ids(40, 2, 16)
+
+    def step() -> None:
+        _, loss = model(idx, targets)
+        loss.backward()
+
+    assert count_syncs(step) == 0
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    generators = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    assert count_syncs(lambda: model.generate(prompts, 20, temperature=1.0, generator=generators)) <= 20 + 2
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

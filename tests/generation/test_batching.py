@@ -20,6 +20,7 @@ from plainformer.generation.batching import (
     Token,
 )
 from plainformer.generation.stopping import StopStrings
+from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 
 VOCAB, BLOCK = 40, 48
 
@@ -85,6 +86,42 @@ def test_rows_that_join_and_leave_draw_what_they_draw_alone(model, batcher):
     for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
         assert collectors[i].tokens() == alone(model, prompt, new, temperature, 100 + i), i
     assert batcher.active_rows == 0
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_rows_of_a_model_with_every_issue_49_variant_score_their_tokens_as_its_full_forward(moe):
+    """Every row's tokens (greedy: the full pass's argmax) and their log-probabilities are those of the model's
+    full forward pass over the row alone (float64 model): the value residual's first-layer values, the previous
+    token of token shift and bigram, and the soft-capped logits all survive joining, leaving and compaction."""
+    torch.manual_seed(0)
+    config = pf.GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64,
+                          pos_encoding="rope", norm="rmsnorm", **GPT_VARIANTS_49,
+                          **(dict(n_experts=4, top_k=2) if moe else {}))
+    model = moved_off_start(pf.GPT(config)).double().eval()
+    batcher = ContinuousBatcher(model.decoder(), max_rows=3, max_queue=16)
+    jobs = []
+    for i, prompt in enumerate(random_prompts(7, seed=4)):
+        rows = 2 if i == 3 else 1
+        jobs.append((prompt, rows, Collector(rows), 0.0 if i % 2 else 1.0))
+        batcher.submit(Job(prompt, 6 + (5 * i) % 18, jobs[-1][2], sampling=Sampling(temperature=jobs[-1][3]),
+                           seeds=[10 + i + r for r in range(rows)], logprobs=0))
+    batcher.start()
+    try:
+        for _, _, collector, _ in jobs:
+            assert collector.done.wait(60)
+    finally:
+        batcher.stop()
+    for prompt, rows, collector, temperature in jobs:
+        for row in range(rows):
+            tokens = collector.tokens(row)
+            logprobs = [e.logprob for e in collector.events if isinstance(e, Token) and e.choice == row]
+            with torch.no_grad():
+                full = model(torch.tensor([prompt + tokens[:-1]]))[0][0, len(prompt) - 1:]  # (new, V)
+            logp = torch.log_softmax(full.float(), dim=-1)
+            expected = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+            if temperature == 0.0:
+                assert tokens == full.argmax(-1).tolist()
 
 
 def test_a_job_of_n_rows_draws_seed_plus_row_for_each(model, batcher):

@@ -262,6 +262,8 @@ def _refusal(case: str):
         return _variant("gpt2", activation="gelu"), {}
     if case == "sinusoidal":
         return _variant("gpt2", pos_encoding="sinusoidal"), {}
+    if case == "value-residual":
+        return _variant("llama-gqa-untied", value_residual=True), {}
     text = pf.load_text()[:20_000]
     tokenizer = (pf.WordPieceTokenizer.train(text, 100) if case == "wordpiece"
                  else pf.BPETokenizer.train(text, 256))  # no special token: no end-of-text
@@ -273,6 +275,7 @@ def _refusal(case: str):
     ("dtype", "dtype must be one of"),
     ("gelu-erf", "activation='gelu' has no GGUF layout here: llama.cpp's gpt2 computes GELU's tanh approximation"),
     ("sinusoidal", "pos_encoding='sinusoidal' has no Hugging Face layout"),
+    ("value-residual", "value_residual=True has no Hugging Face or GGUF layout here"),
     ("wordpiece", "a wordpiece tokenizer has no GGUF form here"),
     ("bpe-without-eos", "a BPE tokenizer without an end-of-text token has no GGUF form here"),
 ])

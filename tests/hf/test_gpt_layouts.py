@@ -82,7 +82,7 @@ def test_a_key_a_gpt2_config_json_leaves_out_takes_the_transformers_default():
     assert ours.activation == "gelu_tanh" and theirs.activation_function == "gelu_new"
 
 
-@pytest.mark.parametrize("name", ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"])
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "relu2"])
 def test_each_gpt2_activation_function_is_read_as_ours_that_computes_it(name):
     """float64, so that equal functions agree to rounding (1e-12) whatever the CPU."""
     activation = gpt_layouts.GPT2.config_from_hf({"activation_function": name})["activation"]
@@ -96,7 +96,7 @@ def test_each_gpt2_activation_function_is_read_as_ours_that_computes_it(name):
 
 def test_a_gpt2_activation_function_without_ours_is_refused_listing_those_read():
     with pytest.raises(ValueError, match=r"activation_function='silu' is not supported; expected one of 'gelu', "
-                                         r"'relu', 'gelu_new', 'gelu_pytorch_tanh'$"):
+                                         r"'relu', 'relu2', 'gelu_new', 'gelu_pytorch_tanh'$"):
         gpt_layouts.GPT2.config_from_hf({"activation_function": "silu"})
 
 
@@ -184,9 +184,29 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(MIXTRAL, moe_every=2), "moe_every=2"),
     (dict(MIXTRAL, capacity_factor=1.0), "capacity_factor=1.0"),
     (dict(MIXTRAL, bias_update_rate=0.1), "bias_update_rate=0.1"),
+    (dict(LLAMA, logit_softcap=30.0), "logit_softcap=30.0 has no Hugging Face or GGUF layout here"),
+    (dict(GPT2, embed_norm=True), "embed_norm=True has no Hugging Face or GGUF layout here"),
+    (dict(LLAMA, x0_mix=True), "x0_mix=True has no Hugging Face or GGUF layout here"),
+    (dict(MIXTRAL, value_residual=True), "value_residual=True has no Hugging Face or GGUF layout here"),
+    (dict(GPT2, token_shift=True), "token_shift=True has no Hugging Face or GGUF layout here"),
+    (dict(LLAMA, bigram_embedding=True), "bigram_embedding=True has no Hugging Face or GGUF layout here"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         pf.save_hf(model, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_model_trained_from_zero_init_exports_as_any_and_transformers_gives_its_logits(tmp_path):
+    """zero_init decides the start alone: what training leaves is an ordinary Llama."""
+    torch.manual_seed(0)
+    ours = pf.GPT(pf.GPTConfig(**TINY, **{**LLAMA, "tie_weights": False}, zero_init=True)).eval()
+    with torch.no_grad():
+        for parameter in ours.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    pf.save_hf(ours, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    idx = _tokens()
+    with torch.no_grad():
+        assert _max_error(ours(idx)[0], _hf_logits(theirs, idx)) <= TOLERANCE

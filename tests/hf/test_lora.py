@@ -129,6 +129,24 @@ def test_a_gpt2_layout_model_is_saved_in_our_names_and_loads_back_exactly(tmp_pa
         assert torch.equal(ours(idx)[0], again(idx)[0])
 
 
+def test_an_adapter_of_a_rotary_model_no_layout_expresses_is_saved_in_our_names(tmp_path):
+    """value_residual has no Hugging Face form, so no PEFT base either: our names, loaded back exactly."""
+    def model() -> pf.GPT:
+        torch.manual_seed(0)
+        return pf.GPT(pf.GPTConfig(vocab_size=31, block_size=16, n_layers=2, n_heads=4, d_model=16, d_ff=32,
+                                   pos_encoding="rope", norm="rmsnorm", activation="swiglu", value_residual=True))
+
+    ours = pf.add_lora(model(), r=2, targets=("W_q", "W_v")).eval()
+    _randomize_b(ours)
+    save_lora(ours, tmp_path / "adapter")
+    from safetensors.torch import load_file
+    assert "blocks.1.self_attn.W_v.lora_B" in load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    again = load_lora(model(), tmp_path / "adapter").eval()
+    idx = _tokens()
+    with torch.no_grad():
+        assert torch.equal(ours(idx)[0], again(idx)[0])
+
+
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_the_file(tmp_path):
     ours = pf.add_lora(_gpt2_shaped(), r=2, targets=("W_q",))
     save_lora(ours, tmp_path / "adapter")

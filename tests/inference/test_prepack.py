@@ -10,6 +10,7 @@ from torch import nn
 
 import plainformer as pf
 from plainformer.inference.prepack import PackedLinear, prepack, prepack_supported
+from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)
@@ -59,6 +60,21 @@ def test_a_prepacked_gpt_decodes_the_float64_model_logits(tie_weights):
         full = reference(torch.cat((prompt, tokens), dim=1)[:, :-1])[0][:, prompt.shape[1] - 1:]
     assert_close(logits, full.float(), "logits of the prepacked steps")
     assert torch.equal(tokens, full.argmax(-1))
+
+
+def test_a_prepacked_gpt_with_every_issue_49_variant_decodes_the_float64_model_logits():
+    """The variants' parameters are no linear layers: prepacking passes them by."""
+    torch.manual_seed(0)
+    model = moved_off_start(pf.GPT(pf.GPTConfig(**TINY, **GPT_VARIANTS_49, pos_encoding="rope"))).eval()
+    reference = copy.deepcopy(model).double()
+    prompt = torch.randint(TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+    prepack(model)
+    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.token_shift.gate, nn.Parameter)
+    steps = list(pf.iter_generate(model.decoder(), prompt, 10, temperature=0))
+    tokens = torch.stack([t for t, _ in steps], dim=1)
+    with torch.no_grad():
+        full = reference(torch.cat((prompt, tokens), dim=1)[:, :-1])[0][:, prompt.shape[1] - 1:]
+    assert_close(torch.stack([z for _, z in steps], dim=1), full.float(), "logits of the prepacked steps")
 
 
 def test_what_cannot_be_prepacked_is_refused_with_one_line():

@@ -3,6 +3,8 @@ quantized whole, and what is refused."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 import plainformer as pf
 from plainformer.inference import quantize as quantize_module
 from plainformer.inference.quantize import Int8Linear, quantize_rows
+from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 
 FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -70,6 +73,28 @@ def test_a_quantized_gpt_computes_with_the_int8_weights_of_every_linear_layer_an
         q, scale = quantize_rows(reference.lm_head.weight)
         torch.testing.assert_close(model(idx)[0], hidden @ (q.float() * scale[:, None]).T, rtol=0, atol=1e-5)
     assert len(model.generate(idx[:1, :4], 6, temperature=0)[0]) == 10  # the decoder runs the int8 head
+
+
+def test_a_gpt_with_every_issue_49_variant_quantizes_its_linears_alone_and_decodes_its_full_pass():
+    """The variants' parameters are no linear layers: they stay float32, and the int8 model equals the float32
+    one whose linear weights are Q · s; its cached decoding equals its own full pass."""
+    config = pf.GPTConfig(vocab_size=37, block_size=16, n_layers=2, n_heads=2, d_model=32, d_ff=64, **GPT_VARIANTS_49)
+    torch.manual_seed(0)
+    model = moved_off_start(pf.GPT(config)).eval()
+    reference = copy.deepcopy(model)
+    pf.quantize(model, kernel="dequant")
+    assert isinstance(model.lm_head, Int8Linear) and model.blocks[1].value_residual.lam.dtype == torch.float32
+    idx = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+        torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=0, atol=1e-5)
+        steps = list(pf.iter_generate(model.decoder(), idx[:, :4], 8, temperature=0))
+        tokens = torch.stack([t for t, _ in steps], dim=1)
+        full = model(torch.cat((idx[:, :4], tokens), dim=1)[:, :-1])[0][:, 3:]
+    torch.testing.assert_close(torch.stack([z for _, z in steps], dim=1), full, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("model, mode, message", [

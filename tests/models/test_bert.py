@@ -136,6 +136,11 @@ def test_layers_are_the_foundation_encoder_layer_post_ln_with_config_eps():
     assert isinstance(model.embeddings.position, pf.LearnedPositionalEmbedding)
 
 
+def test_relu2_from_the_shared_activations_reaches_every_feed_forward():
+    model = BertModel(_config(activation="relu2"))
+    assert [layer.ff.activation for layer in model.layers] == ["relu2"] * len(model.layers)
+
+
 def test_base_preset_has_bert_base_parameter_count():
     # bert-base-uncased's BertModel (with pooler) has 109,482,240 parameters.
     config = BertConfig.from_preset("base")

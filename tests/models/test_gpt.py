@@ -1,4 +1,5 @@
-"""GPT against Hugging Face GPT-2 with copied weights, config checks, presets, init, KV-cached decoding."""
+"""GPT against Hugging Face GPT-2 with copied weights, config checks, presets, init, KV-cached decoding; the block
+variants of issue 49 against a float64 forward written from their equations, their decoding and checkpoints."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import plainformer as pf
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
 from plainformer.inference.kernels import measure_kernels
+from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 from tests.reference.torch_reference import assert_close
 
 TINY = dict(vocab_size=53, block_size=24, n_layers=2, n_heads=4, d_model=32, d_ff=64)
@@ -129,6 +131,8 @@ def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
     ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
     ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"), ("rope_base", 1.0),
+    ("logit_softcap", 0.0), ("logit_softcap", -30.0), ("zero_init", 1), ("value_residual", "yes"),
+    ("x0_mix", None), ("embed_norm", 1.0), ("token_shift", 0), ("bigram_embedding", "true"),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -256,7 +260,14 @@ CACHE_VARIANTS = {
     "sinusoidal": dict(pos_encoding="sinusoidal"),
     "gqa-rope": dict(pos_encoding="rope", n_kv_heads=2),
     "mqa-learned": dict(pos_encoding="learned", n_kv_heads=1, bias=True),
+    "issue 49": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
+    "issue 49 moe": dict(GPT_VARIANTS_49, n_experts=4, top_k=2, first_dense_layers=1),
 }
+
+
+def _cache_model(variant: str) -> pf.GPT:
+    """The variant in float64, moved off its start (see `moved_off_start`)."""
+    return moved_off_start(_gpt(**CACHE_VARIANTS[variant])).double()
 
 
 def _decode(model: pf.GPT, prompt: torch.Tensor, steps: int, **options) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +280,7 @@ def _decode(model: pf.GPT, prompt: torch.Tensor, steps: int, **options) -> tuple
 @pytest.mark.parametrize("variant", CACHE_VARIANTS)
 @pytest.mark.parametrize("decoder", ["model", "model.decoder()"])
 def test_cached_logits_at_every_generated_position_equal_the_full_forward_pass(variant, decoder):
-    model = _gpt(**CACHE_VARIANTS[variant]).double()
+    model = _cache_model(variant)
     prompt = _tokens(2, 5)
     steps = TINY["block_size"] - prompt.shape[1]
     tokens, logits = _decode(model if decoder == "model" else model.decoder(), prompt, steps,
@@ -281,7 +292,7 @@ def test_cached_logits_at_every_generated_position_equal_the_full_forward_pass(v
 
 @pytest.mark.parametrize("variant", CACHE_VARIANTS)
 def test_chunked_prefill_into_the_cache_equals_the_full_pass(variant):
-    model = _gpt(**CACHE_VARIANTS[variant]).double()
+    model = _cache_model(variant)
     idx = _tokens(2, 20)
     caches = model.new_kv_caches(2)
     with torch.no_grad():
@@ -293,7 +304,7 @@ def test_chunked_prefill_into_the_cache_equals_the_full_pass(variant):
 @pytest.mark.parametrize("variant", CACHE_VARIANTS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
-    model = _gpt(**CACHE_VARIANTS[variant]).double()
+    model = _cache_model(variant)
     prompt = _tokens(3, 4)
     outputs = [model.generate(prompt, 18, temperature=temperature, use_cache=use_cache,
                               generator=torch.Generator().manual_seed(5))
@@ -330,10 +341,10 @@ def _sliding_reference(model: pf.GPT, prompt: torch.Tensor, tokens: torch.Tensor
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal"])
+@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal", "issue 49"])
 @pytest.mark.parametrize("prompt_length", [5, 30])  # 30 > block_size: the prompt is cut to its last block
 def test_sliding_context_past_block_size_matches_the_documented_windows(variant, prompt_length):
-    model = _gpt(**CACHE_VARIANTS[variant]).double()
+    model = _cache_model(variant)
     prompt = _tokens(2, prompt_length)
     steps = 3 * TINY["block_size"]
     tokens, cached = _decode(model.decoder(), prompt, steps, temperature=1.0,
@@ -353,3 +364,207 @@ def test_generate_runs_in_eval_mode_and_restores_training_mode():
     first, second = (model.generate(prompt, 10, temperature=0) for _ in range(2))
     assert torch.equal(first, second)  # dropout off while generating
     assert model.training
+
+
+# ----------------------------------------------------------------------------- the block variants of issue 49
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+    """rope(x, p) = x ⊙ cos(p θ) + [-x₂, x₁] ⊙ sin(p θ), θ_i = base^(-2i/d), for x (B, H, n, d) at p = 0 .. n-1."""
+    n, d = x.shape[-2:]
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    return x * cos + torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1) * sin
+
+
+def _reference_logits(model: pf.GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The whole model written out from the papers' equations in float64, with the model's weights:
+
+        e_t = E[x_t] + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1}·V + x_t] (+ P_t)    (no predecessor at t = 0)
+        x = x0 = RMSNorm(e)
+        per block l:  x = a_l x + b_l x0;  q, k, v = RMSNorm(x) W^{Q,K,V}ᵀ (rope on q, k)
+                      v = λ_l v + (1 − λ_l) v_1 for l ≥ 2 (v_1: block 1's v)
+                      x = x + softmax(q kᵀ / √d_k, causal) v W^Oᵀ;  x = x + max(0, RMSNorm(x) W_1ᵀ)² W_2ᵀ
+        logits = c · tanh(RMSNorm(x) W_headᵀ / c)
+    """
+    c, w = model.config, {name: t.detach().double() for name, t in model.state_dict().items()}
+    (batch, n), heads, kv_heads, d = idx.shape, c.n_heads, c.n_kv_heads or c.n_heads, c.head_dim
+    embedding = w["token_embedding.weight"]
+    previous = torch.cat((idx[:, :1], idx[:, :-1]), dim=1)
+    has = (torch.arange(n) > 0).double()[None, :, None]
+    e = (embedding[idx] + has * torch.sigmoid(w["token_shift.gate"]) * embedding[previous]
+         + has * w["bigram.table.weight"][previous * c.vocab_size + idx])
+    if c.pos_encoding == "learned":
+        e = e + w["position.embedding.weight"][:n]
+    x = x0 = _rms(e, w["embed_norm.weight"], c.norm_eps)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    v1 = None
+    for layer in range(c.n_layers):
+        p = f"blocks.{layer}."
+        x = w[p + "x0_mix.a"] * x + w[p + "x0_mix.b"] * x0
+        h = _rms(x, w[p + "norm1.weight"], c.norm_eps)
+
+        def heads_of(name: str, count: int, h: torch.Tensor = h, p: str = p) -> torch.Tensor:
+            return (h @ w[p + f"self_attn.{name}.weight"].T).view(batch, n, count, d).transpose(1, 2)
+
+        q, k, v = heads_of("W_q", heads), heads_of("W_k", kv_heads), heads_of("W_v", kv_heads)
+        if v1 is None:
+            v1 = v
+        else:
+            lam = w[p + "value_residual.lam"]
+            v = lam * v + (1 - lam) * v1
+        if c.pos_encoding == "rope":
+            q, k = _rotate(q, c.rope_base), _rotate(k, c.rope_base)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, -math.inf)
+        out = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(batch, n, heads * d)
+        x = x + out @ w[p + "self_attn.W_o.weight"].T
+        h = _rms(x, w[p + "norm2.weight"], c.norm_eps)
+        x = x + torch.relu(h @ w[p + "ff.W_1.weight"].T) ** 2 @ w[p + "ff.W_2.weight"].T
+    z = _rms(x, w["norm.weight"], c.norm_eps) @ w["lm_head.weight"].T
+    return c.logit_softcap * torch.tanh(z / c.logit_softcap)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+def test_every_variant_at_once_equals_the_float64_forward_written_from_their_equations(pos_encoding, backend):
+    model = moved_off_start(_gpt(**GPT_VARIANTS_49, n_layers=3, n_kv_heads=2, norm="rmsnorm",
+                                 pos_encoding=pos_encoding, backend=backend))
+    idx = _tokens(3, 12)
+    with torch.no_grad():
+        logits = model(idx)[0]
+    assert_close(logits, _reference_logits(model, idx).float(), "logits")
+
+
+@pytest.mark.parametrize("cap", [0.5, 30.0])
+def test_logit_softcap_is_c_tanh_of_the_uncapped_logits_over_c_in_float64(cap):
+    capped = _gpt(logit_softcap=cap)
+    plain = _gpt()
+    plain.load_state_dict(capped.state_dict())
+    idx = _tokens(2, 10)
+    with torch.no_grad():
+        z = plain.double()(idx)[0]
+        logits, loss = capped(idx, idx)
+    expected = cap * torch.tanh(z / cap)
+    assert_close(logits, expected.float(), "capped logits")
+    assert logits.abs().max() < cap
+    assert_close(loss, F.cross_entropy(expected.flatten(0, 1), idx.flatten()).float(), "loss of the capped logits")
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_zero_init_starts_every_block_as_the_identity_and_every_logit_at_zero(moe):
+    model = _gpt(zero_init=True, tie_weights=False, **(dict(n_experts=4, top_k=2) if moe else {}))
+    for block in model.blocks:
+        assert all(bool((w == 0).all()) for w in block.residual_projections())
+    idx = _tokens(2, 10)
+    with torch.no_grad():
+        embedded = model.token_embedding(idx) + model.position.embedding.weight[:10]  # the embedding path
+        assert torch.equal(model.hidden_states(idx), embedded)
+        logits, loss = model(idx, idx)
+    assert torch.equal(logits, torch.zeros_like(logits))
+    assert abs(loss.item() - math.log(TINY["vocab_size"])) < 1e-5  # the uniform prediction
+
+
+def test_with_zero_init_gradients_reach_every_parameter_once_the_head_and_projections_move():
+    """At the start only the head has a gradient (the others' pass through W_headᵀ = 0); a step moves it, the
+    next W_o and W_2, and then every parameter has a gradient."""
+    model = _gpt(zero_init=True, tie_weights=False).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    idx = _tokens(4, 16)
+    for step in range(3):
+        optimizer.zero_grad()
+        model(idx, torch.roll(idx, -1, 1))[1].backward()
+        with_gradient = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        if step == 0:
+            assert with_gradient == {"lm_head.weight"}
+        optimizer.step()
+    assert with_gradient == {name for name, _ in model.named_parameters()}
+
+
+def test_zero_init_with_a_head_tied_to_the_embedding_is_refused():
+    with pytest.raises(ValueError, match="zero_init needs tie_weights=False: a zero head tied to the token "
+                                         "embedding would zero the embedding"):
+        pf.GPTConfig(**TINY, zero_init=True)
+
+
+def test_embed_norm_normalises_the_embedding_output_with_the_models_eps():
+    model = _gpt(embed_norm=True, norm_eps=1e-3)
+    assert isinstance(model.embed_norm, pf.RMSNorm) and model.embed_norm.eps == 1e-3
+    with torch.no_grad():
+        model.embed_norm.weight.normal_()
+        for block in model.blocks:  # the blocks add nothing: hidden_states is the embedding output
+            for weight in block.residual_projections():
+                weight.zero_()
+        idx = _tokens(2, 6)
+        e = (model.token_embedding(idx) + model.position.embedding.weight[:6]).double()
+        expected = _rms(e, model.embed_norm.weight.double(), 1e-3)
+        assert_close(model.hidden_states(idx), expected.float(), "normalised embedding")
+
+
+def test_the_variants_are_new_submodules_and_parameters_only_where_switched_on():
+    plain = _gpt()
+    model = _gpt(**GPT_VARIANTS_49)
+    added = set(dict(model.named_parameters())) - set(dict(plain.named_parameters()))
+    assert added == {"token_shift.gate", "bigram.table.weight", "embed_norm.weight", "lm_head.weight",
+                     "blocks.0.x0_mix.a", "blocks.0.x0_mix.b", "blocks.1.x0_mix.a", "blocks.1.x0_mix.b",
+                     "blocks.1.value_residual.lam"}  # the first block keeps its own values: no λ
+    assert model.bigram.table.weight.shape == (TINY["vocab_size"] ** 2, TINY["d_model"])
+    assert model.bigram.table.weight.abs().sum() == 0  # a no-op at the start, as the gate-free terms
+
+
+def test_float64_gradcheck_of_the_loss_in_lambda_a_b_and_the_token_shift_gate():
+    model = moved_off_start(_gpt(**GPT_VARIANTS_49, n_layers=3, d_model=16, n_heads=2, d_ff=16)).double()
+    names = ["blocks.1.value_residual.lam", "blocks.2.value_residual.lam", "blocks.0.x0_mix.b", "blocks.1.x0_mix.a",
+             "blocks.2.x0_mix.b", "token_shift.gate"]
+    values = tuple(dict(model.named_parameters())[name].detach().clone().requires_grad_() for name in names)
+    idx = _tokens(2, 7)
+
+    def loss(*values: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, dict(zip(names, values, strict=True)), (idx, idx))[1]
+
+    assert torch.autograd.gradcheck(loss, values)
+
+
+def test_padded_rows_of_every_variant_prefilled_and_decoded_give_their_logits_alone():
+    """A row's first real token has no predecessor: the padding before it is none (token shift, bigram)."""
+    model = _cache_model("issue 49")
+    idx, real = _left_padded(3, 10)
+    step = _tokens(3, 1, seed=2)
+    with torch.no_grad():
+        caches = model.new_kv_caches(3)
+        prefilled = model(idx, kv_caches=caches, attention_mask=real)[0]
+        decoded = model(step, kv_caches=caches, attention_mask=torch.cat((real, real[:, :1] | True), dim=1))[0]
+        for row in range(3):
+            alone = model(torch.cat((idx[row:row + 1, 3 * row:], step[row:row + 1]), dim=1))[0]
+            assert_close(prefilled[row, 3 * row:], alone[0, :-1], f"row {row} prefilled")
+            assert_close(decoded[row, -1], alone[0, -1], f"row {row} decoded")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def test_a_model_with_every_variant_saves_and_loads_bit_for_bit(tmp_path):
+    model = moved_off_start(_gpt(**GPT_VARIANTS_49, pos_encoding="rope"))
+    pf.save_checkpoint(tmp_path / "ckpt", model=model, family="gpt", model_config=model.config.to_dict())
+    loaded = pf.GPT.from_checkpoint(tmp_path / "ckpt")
+    assert loaded.config == model.config
+    assert all(torch.equal(t, model.state_dict()[name]) for name, t in loaded.state_dict().items())
+    idx = _tokens(2, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], model.eval()(idx)[0])
+
+
+def test_a_checkpoint_written_before_the_variants_loads_with_each_one_off(tmp_path):
+    model = _gpt()
+    before = {k: v for k, v in model.config.to_dict().items() if k not in GPT_VARIANTS_49 or k == "activation"
+              or k == "tie_weights"}  # the config.json of a checkpoint from before: no such keys
+    assert "value_residual" not in before and "logit_softcap" not in before
+    pf.save_checkpoint(tmp_path / "ckpt", model=model, family="gpt", model_config=before)
+    loaded = pf.GPT.from_checkpoint(tmp_path / "ckpt")
+    assert loaded.config == model.config
+    assert (loaded.config.logit_softcap, loaded.config.zero_init, loaded.config.value_residual) == (None, False, False)
+    idx = _tokens(2, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], model(idx)[0])

@@ -12,7 +12,7 @@ import plainformer as pf
 from plainformer.models import memory
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import make_optimizer, muon_parameters
-from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
+from tests.reference.tiny_models import BERT_TINY, GPT_TINY, GPT_VARIANTS_49, SEQ2SEQ_TINY
 
 MODELS = {
     "gpt": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY)),
@@ -23,6 +23,9 @@ MODELS = {
     "gpt MoE, shared expert, dense first": (pf.GPT, lambda: pf.GPTConfig(
         **GPT_TINY, n_experts=4, top_k=2, n_shared_experts=1, first_dense_layers=1, moe_every=2)),
     "gpt preset default": (pf.GPT, lambda: pf.GPTConfig.from_preset("default")),
+    "gpt issue 49 variants": (pf.GPT, lambda: pf.GPTConfig(**GPT_TINY, **GPT_VARIANTS_49)),
+    "gpt issue 49 variants, MoE after a dense first": (pf.GPT, lambda: pf.GPTConfig(
+        **GPT_TINY, **GPT_VARIANTS_49, n_experts=4, top_k=2, first_dense_layers=1, moe_every=2)),
     "gpt preset moe": (pf.GPT, lambda: pf.GPTConfig.from_preset("moe")),
     "bert": (pf.BertModel, lambda: pf.BertConfig(**BERT_TINY)),
     "bert-mlm": (pf.BertForMaskedLM, lambda: pf.BertConfig(**BERT_TINY)),
@@ -85,6 +88,8 @@ ACTIVATION_CASES = {
     "gpt 1024 keys": dict(block_size=1024),
     "gpt MoE": dict(n_experts=4, top_k=2, d_ff=128),
     "gpt large vocabulary": dict(vocab_size=5000),
+    "gpt issue 49 variants": GPT_VARIANTS_49,
+    "gpt issue 49 variants, rope, GQA": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
 }
 
 

@@ -104,6 +104,16 @@ def test_a_vocabulary_the_data_decides_later_counts_as_none():
     assert unknown.tensors == len(list(built.parameters())) + len(list(built.buffers()))
 
 
+def test_a_vocabulary_the_data_decides_later_counts_as_none_with_a_bigram_table_of_its_square():
+    """A bigram table holds V² · d_model parameters: with an untied head, the model of vocab_size=0 holds
+    what one of vocab_size V holds less (2 V + V²) · d_model."""
+    config = pf.GPTConfig(**GPT_TINY, bigram_embedding=True, tie_weights=False)
+    built = pf.GPT(config)
+    unknown = pf.GPT.footprint(saved.unchecked(config, vocab_size=0))
+    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
+    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - (2 * V + V * V) * d
+
+
 def test_an_unchecked_copy_changes_only_the_copy():
     config = pf.GPTConfig(**GPT_TINY)
     copy = saved.unchecked(config, n_layers=0)

@@ -175,6 +175,12 @@ def test_output_length_is_capped_by_max_len():
     assert out.shape == (2, 1 + 40) and (out[:, 1:] == 7).all()
 
 
+def test_relu2_from_the_shared_activations_reaches_every_feed_forward():
+    model = _model(activation="relu2")
+    layers = [*model.encoder.layers, *model.decoder.layers]
+    assert [layer.ff.activation for layer in layers] == ["relu2"] * len(layers)
+
+
 def test_presets_follow_the_paper():
     base = Transformer(TransformerConfig.from_preset("base", src_vocab_size=37000, tgt_vocab_size=37000))
     assert 0.95 * 65e6 < base.num_parameters() < 65e6  # Table 3: 65M (shared 37000-token BPE)

@@ -1,5 +1,5 @@
-"""FeedForward against the hand-written formulas: ReLU (paper), GELU and its tanh approximation,
-SwiGLU; position-wise; dropout."""
+"""FeedForward against the hand-written formulas: ReLU (paper), GELU and its tanh approximation, ReLU²,
+SwiGLU; ReLU² against transformers' ACT2FN["relu2"]; position-wise; dropout."""
 
 from __future__ import annotations
 
@@ -21,18 +21,31 @@ def _hand_ffn(ffn: pf.FeedForward, x: torch.Tensor) -> torch.Tensor:
         hidden = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
     elif ffn.activation == "gelu_tanh":
         hidden = 0.5 * hidden * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hidden + 0.044715 * hidden ** 3)))
+    elif ffn.activation == "relu2":
+        hidden = torch.where(hidden > 0, hidden * hidden, torch.zeros_like(hidden))
     else:
         hidden = hidden / (1 + torch.exp(-hidden)) * (x @ ffn.W_3.weight.T + ffn.W_3.bias)
     return hidden @ ffn.W_2.weight.T + ffn.W_2.bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "swiglu"])
 def test_matches_the_formula_computed_by_hand(activation, dtype):
     torch.manual_seed(0)
     ffn = pf.FeedForward(8, 32, activation).to(dtype)
     x = torch.randn(2, 5, 8, dtype=dtype)
     assert_close(ffn(x), _hand_ffn(ffn, x))
+
+
+def test_relu2_is_transformers_relu_squared_activation():
+    """The hidden layer of activation="relu2" is ACT2FN["relu2"] (Primer's squared ReLU) of x W_1ᵀ + b_1."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    ffn = pf.FeedForward(8, 32, "relu2")
+    x = torch.randn(2, 5, 8)
+    expected = ACT2FN["relu2"](ffn.W_1(x)) @ ffn.W_2.weight.T + ffn.W_2.bias
+    assert_close(ffn(x), expected)
 
 
 def test_projections_have_the_paper_shapes():
@@ -41,7 +54,7 @@ def test_projections_have_the_paper_shapes():
     assert not any("bias" in name for name, _ in pf.FeedForward(8, 32, bias=False).named_parameters())
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "swiglu"])
 def test_each_position_is_transformed_separately(activation):
     """FFN applied to a permuted sequence is the permuted FFN output: no mixing across positions."""
     torch.manual_seed(0)

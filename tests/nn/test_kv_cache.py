@@ -1,5 +1,5 @@
 """RowsKVCache: rows put right-aligned, moved into a freed slot, and every row shifted right or left, checked
-position by position against plain tensors."""
+position by position against plain tensors; each row's newest token id kept through all of it."""
 
 from __future__ import annotations
 
@@ -34,3 +34,25 @@ def test_rows_are_right_aligned_moved_and_shifted():
     cache.move(1, 0)
     cache.resize(1)
     assert cache.rows == 1 and torch.equal(cache.keys()[0], before[1])
+
+
+def test_each_rows_newest_token_follows_it_through_put_move_shift_and_reorder():
+    cache = RowsKVCache.like(KVCache(1, 2, 8, 3), max_rows=4)
+    cache.length = 3
+    for slot, (n, token) in enumerate(((3, 7), (2, 9), (1, 4))):
+        source = one_row(n, 0.0)
+        source.set_last_tokens(torch.tensor([token]))
+        cache.resize(slot + 1)
+        cache.put(slot, source)
+    assert cache.last_tokens().tolist() == [7, 9, 4]
+    cache.shift(2)
+    cache.shift(-1)
+    assert cache.last_tokens().tolist() == [7, 9, 4]  # the newest position stays each row's last column
+    cache.set_last_tokens(torch.tensor([1, 2, 3]))  # a decoding step wrote its tokens
+    cache.move(2, 0)
+    cache.resize(2)
+    assert cache.last_tokens().tolist() == [3, 2]
+    beams = KVCache(3, 2, 8, 3)
+    beams.set_last_tokens(torch.tensor([5, 6, 8]))
+    beams.reorder(torch.tensor([2, 2, 0]))
+    assert beams.last_tokens().tolist() == [8, 8, 5]

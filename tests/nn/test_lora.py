@@ -11,6 +11,7 @@ from torch.nn import Linear
 
 import plainformer as pf
 from plainformer.nn.lora import LoRALinear, adapter_state_names, lora_layers
+from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 
 
 def _gpt(**changes) -> pf.GPT:
@@ -120,6 +121,26 @@ def test_merge_keeps_the_function_merging_twice_changes_nothing_and_unmerge_rest
     for name, p in model.named_parameters():
         if "lora_" not in name:
             torch.testing.assert_close(p, weights[name], rtol=0, atol=1e-12)
+
+
+def test_a_gpt_with_every_issue_49_variant_adapts_its_linears_and_freezes_its_scalars():
+    """The variants' parameters are vectors and scalars, no linear layers: LoRA passes them by and freezes
+    them; training starts from the base model and merging keeps the function (float64)."""
+    base = moved_off_start(_gpt(**GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm")).double()
+    idx = _tokens()
+    with torch.no_grad():
+        expected = base(idx)[0]
+    model = pf.add_lora(base, r=2, targets=("W_q", "W_v", "W_o", "W_1", "W_2", "lm_head"))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert {"blocks.1.value_residual.lam", "blocks.0.x0_mix.b", "token_shift.gate", "bigram.table.weight",
+            "embed_norm.weight"} <= frozen
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], expected, rtol=0, atol=1e-10)
+        _randomize_b(model)
+        unmerged = model(idx)[0]
+        pf.merge_lora(model)
+        torch.testing.assert_close(model(idx)[0], unmerged, rtol=0, atol=1e-10)
+    assert not torch.allclose(unmerged, expected)
 
 
 def test_the_encoder_decoder_and_bert_adapt_their_projections():

@@ -24,6 +24,7 @@ MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, aux_loss_coef=0.02, z_loss_coef=0.0)
 CONFIGS = {
     "gpt2": GPT2,
     "gpt2-untied": {**GPT2, "tie_weights": False},
+    "gpt2-relu2": {**GPT2, "activation": "relu2"},  # Primer's max(0, x)², in transformers' ACT2FN
     "llama-gqa-untied": {**LLAMA, "n_kv_heads": 2, "tie_weights": False},
     "llama-tied": {**LLAMA, "tie_weights": True},
     "llama-bias": {**LLAMA, "bias": True, "n_kv_heads": 1, "tie_weights": False},
@@ -59,7 +60,8 @@ def _hf_config(name: str) -> transformers.PretrainedConfig:
     if c["pos_encoding"] == "learned":
         return transformers.GPT2Config(
             vocab_size=c["vocab_size"], n_positions=c["block_size"], n_embd=c["d_model"], n_layer=c["n_layers"],
-            n_head=c["n_heads"], n_inner=c["d_ff"], activation_function="gelu_new", resid_pdrop=0.0,
+            n_head=c["n_heads"], n_inner=c["d_ff"],
+            activation_function={"gelu_tanh": "gelu_new", "relu2": "relu2"}[c["activation"]], resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=c["tie_weights"],
             bos_token_id=None, eos_token_id=None)
     if c.get("n_experts"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
 from .. import _checks
@@ -17,10 +16,7 @@ from .. import _checks
 class _LanguageModel(Protocol):
     """What `GPTDecoder` reads from a GPT."""
 
-    norm: torch.nn.Module
-
-    @property
-    def lm_head(self) -> torch.nn.Module: ...
+    def output_logits(self, hidden: Tensor) -> Tensor: ...
 
     @property
     def block_size(self) -> int: ...
@@ -58,11 +54,11 @@ class GPTDecoder:
     def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
                  attention_mask: Tensor | None = None) -> tuple[Tensor, None]:
         hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
-        return self.model.lm_head(self.model.norm(hidden[:, -1:])), None  # (B, 1, V)
+        return self.model.output_logits(hidden[:, -1:]), None  # (B, 1, V)
 
     def all_logits(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> Tensor:
         """The logits (B, n, V) of every position of idx (B, n): what scoring a prompt reads."""
-        return self.model.lm_head(self.model.norm(self.model.hidden_states(idx, kv_caches=kv_caches)))
+        return self.model.output_logits(self.model.hidden_states(idx, kv_caches=kv_caches))
 
 
 class SourceBoundDecoder:

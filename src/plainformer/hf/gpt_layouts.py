@@ -80,8 +80,9 @@ class Layout:
 
 # ----------------------------------------------------------------------------- GPT-2
 
-# Our activation -> GPT-2's activation_function (its "gelu_new" is the tanh approximation).
-_GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+# Our activation -> GPT-2's activation_function (its "gelu_new" is the tanh approximation; transformers
+# computes any name of its ACT2FN, "relu2" = max(0, x)² among them).
+_GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
 _GPT2_TANH_ALIASES = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -105,7 +106,7 @@ def _gpt2_config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     activation = hf.get("activation_function", "gelu_new")
-    ours = {"gelu": "gelu", "relu": "relu", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
+    ours = {"gelu": "gelu", "relu": "relu", "relu2": "relu2", **dict.fromkeys(_GPT2_TANH_ALIASES, "gelu_tanh")}
     if activation not in ours:
         raise ValueError(f"activation_function={activation!r} is not supported; expected one of "
                          f"{', '.join(map(repr, ours))}")
@@ -301,9 +302,24 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
                          f"{layout} needs {field}={value!r}")
 
 
+# GPTConfig fields that change what the model computes and that none of these architectures has, at the value
+# that leaves them out. (zero_init changes the initialisation alone: a model trained with it exports as any.)
+_ONLY_OURS: dict[str, Any] = dict(logit_softcap=None, embed_norm=False, x0_mix=False, value_residual=False,
+                                  token_shift=False, bigram_embedding=False)
+
+
+def field_without_layout(config: GPTConfig) -> str | None:
+    """The first field of `_ONLY_OURS` that `config` sets, None if it sets none."""
+    return next((field for field, value in _ONLY_OURS.items() if getattr(config, field) != value), None)
+
+
 def layout_for(config: GPTConfig) -> Layout:
     """The layout a GPT with this config exports to: Mixtral with experts, else GPT-2 for learned
     positions, Llama for rotary."""
+    field = field_without_layout(config)
+    if field is not None:
+        raise ValueError(f"{field}={getattr(config, field)!r} has no Hugging Face or GGUF layout here: "
+                         f"GPT-2, Llama and Mixtral need {field}={_ONLY_OURS[field]!r}")
     if config.n_experts:
         return MIXTRAL
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:

@@ -25,7 +25,7 @@ from ..models.gpt import GPT
 from ..nn.lora import LoRALinear, add_lora
 from .bert import bert_name_map
 from .gpt import weight_map
-from .gpt_layouts import LLAMA, MIXTRAL, layout_for
+from .gpt_layouts import LLAMA, MIXTRAL, field_without_layout, layout_for
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -36,7 +36,8 @@ def _hf_modules(model: nn.Module) -> dict[str, str] | None:
     """Our module name -> Hugging Face's, for every linear layer a LoRA may adapt; None when the model has
     no per-projection Hugging Face layout."""
     if isinstance(model, GPT):
-        if model.config.pos_encoding != "rope" or layout_for(model.config) not in (LLAMA, MIXTRAL):
+        if (model.config.pos_encoding != "rope" or field_without_layout(model.config) is not None
+                or layout_for(model.config) not in (LLAMA, MIXTRAL)):
             return None
         pairs = [(w.ours[0], w.hf) for w in weight_map(model.config) if len(w.ours) == 1]
     elif isinstance(model, BertModel):

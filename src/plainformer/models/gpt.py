@@ -13,6 +13,18 @@ With pos_encoding="rope" positions enter through rotary embeddings of q and k in
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
 The config is checked when it is built; the modules built from it check nothing again.
+
+The variants of the block that the speedruns added (issue 49), each a GPTConfig field, off by default:
+
+    logit_softcap c     logits = c · tanh(z / c)                           (Gemma 2's final_logit_softcapping)
+    zero_init           W_o, W_2 (every expert's) and the head start at 0  (needs an untied head)
+    embed_norm          h_0 = RMSNorm(h_0)                                  (modded-nanogpt)
+    x0_mix              x ← a_l · x + b_l · h_0 at each block's input      (nn/shortcuts.py)
+    value_residual      v_l ← λ_l · v_l + (1 − λ_l) · v_1, layers l ≥ 2    (Zhou et al. 2024; nn/shortcuts.py)
+    token_shift         e_t ← e_t + σ(g) ⊙ E[x_{t−1}]                      (nn/previous_token.py)
+    bigram_embedding    e_t ← e_t + B[x_{t−1} · V + x_t]                    (nn/previous_token.py)
+
+so that h_0 = Norm(E[x_t] + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1}, x_t] + P_t) with every one on.
 """
 
 from __future__ import annotations
@@ -42,9 +54,11 @@ from ..nn.kv_cache import KVCache
 from ..nn.masks import AttentionMask, padded_positions_and_mask
 from ..nn.modes import eval_mode
 from ..nn.moe import MoEFeedForward, mean_router_losses, moe_layers
-from ..nn.normalization import NORMS, make_norm
+from ..nn.normalization import NORMS, RMSNorm, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from ..nn.previous_token import BigramEmbedding, TokenShift, previous_tokens
 from ..nn.rope import RotaryEmbedding, Rotation
+from ..nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
 from .activations import FLOAT32, forward_pass, hidden, kv_width, layer_activations
 from .activations import dropout as dropout_bytes
 from .saved import SavedModel, itemsize, unchecked
@@ -82,6 +96,14 @@ class GPTConfig(Config):
     bias_update_rate: float = non_negative(0.0)
     aux_loss_coef: float = non_negative(0.01)
     z_loss_coef: float = non_negative(0.001)
+    # The block variants of issue 49 (the module docstring; README's table), each off by default.
+    logit_softcap: float | None = positive(None)
+    zero_init: bool = False
+    embed_norm: bool = False
+    x0_mix: bool = False
+    value_residual: bool = False
+    token_shift: bool = False
+    bigram_embedding: bool = False
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
@@ -111,6 +133,9 @@ class GPTConfig(Config):
             raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"top_k must be at most n_experts={self.n_experts}, got {self.top_k}")
+        if self.zero_init and self.tie_weights:
+            raise ValueError("zero_init needs tie_weights=False: a zero head tied to the token embedding "
+                             "would zero the embedding")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
@@ -133,11 +158,14 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 class Block(nn.Module):
     """One GPT block, built from the GPTConfig it belongs to (pre-LN, as GPT-2 and nanoGPT):
 
+        x = a · x + b · x0                 with x0_mix: the embedding output x0 mixed in (`x0_mix`)
         x = x + Dropout(Attn(LN_1(x)))     causal multi-head self-attention (rope rotates q and k)
         x = x + Dropout(FFN(LN_2(x)))      a dense FFN, or MoE where config.is_moe_layer(layer_index)
 
-    Submodules, named as checkpoints and the Hugging Face weight maps (hf/gpt.py) know them:
-    `self_attn`, `ff`, `norm1`, `norm2`. Nothing is checked here: the config was, when it was built.
+    With value_residual every block after the first mixes its values with the first block's (its
+    `value_residual` holds λ). Submodules, named as checkpoints and the Hugging Face weight maps
+    (hf/gpt.py) know them: `self_attn`, `ff`, `norm1`, `norm2` (and `x0_mix`, `value_residual`).
+    Nothing is checked here: the config was, when it was built.
     """
 
     def __init__(self, config: GPTConfig, layer_index: int):
@@ -149,18 +177,25 @@ class Block(nn.Module):
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.dropout1, self.dropout2 = nn.Dropout(c.dropout), nn.Dropout(c.dropout)
+        self.x0_mix = EmbeddingShortcut() if c.x0_mix else None
+        self.value_residual = ValueResidual() if c.value_residual and layer_index > 0 else None
 
     def forward(self, x: Tensor, mask: AttentionMask | None = None, *, rope: Rotation | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
+                kv_cache: KVCache | None = None, x0: Tensor | None = None,
+                first_values: FirstLayerValues | None = None) -> Tensor:
         """x (B, n, d_model) -> (B, n, d_model). mask: the batch's causal `AttentionMask`, which `GPT`
         builds once for all its blocks (default: built here). kv_cache: x holds the positions after
-        the cached ones."""
+        the cached ones. x0: the embedding output, for x0_mix (default: x, as for the first block).
+        first_values: with value_residual, the pass's first-layer values (the first block keeps them)."""
         if mask is None:
             cached = 0 if kv_cache is None else kv_cache.length
             mask = AttentionMask.build(x.shape[1], cached + x.shape[1], is_causal=True, cached=cached,
                                        device=x.device)
+        if self.x0_mix is not None:
+            x = self.x0_mix(x, x if x0 is None else x0)
+        value_mix = None if first_values is None else first_values.value_mix(self.value_residual)
         h = self.norm1(x)
-        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache))
+        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache, value_mix=value_mix))
         return x + self.dropout2(self.ff(self.norm2(x)))
 
     def residual_projections(self) -> list[Tensor]:
@@ -198,6 +233,16 @@ def _moe_activations(c: GPTConfig, keys: int) -> int:
             + dropout_bytes(c, shared) + 2 * c.n_experts)
 
 
+def _variant_activations(c: GPTConfig) -> int:
+    """Elements kept per token by the variants that are on (as measured): tanh's output for logit_softcap;
+    the input of embed_norm; E[x_{t−1}] for token_shift; each block's input before x0_mix; each later
+    layer's own values beside the mixed ones (which attention keeps instead) for value_residual. A bigram
+    embedding keeps its indices and mask only."""
+    return ((c.vocab_size if c.logit_softcap is not None else 0)
+            + c.d_model * (c.embed_norm + c.token_shift + c.n_layers * c.x0_mix)
+            + (c.n_layers - 1) * kv_width(c) * c.value_residual)
+
+
 def decoding_bytes(config: GPTConfig, rows: int, prompt_len: int, dtype: torch.dtype = torch.float32) -> int:
     """The bytes beyond the model's own of sampling `rows` rows from a GPT in `dtype` at once: a KV cache
     of block_size positions per layer and row, the prompt's forward pass (the logits of its last
@@ -219,7 +264,11 @@ class GPT(SavedModel):
     def __init__(self, config: GPTConfig):
         super().__init__(config)  # checked, and its bytes, before anything is allocated
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.token_shift = TokenShift(config.d_model) if config.token_shift else None
+        self.bigram = BigramEmbedding(config.vocab_size, config.d_model) if config.bigram_embedding else None
         self.position = self._make_position_encoding(config)
+        self.embed_norm = (RMSNorm(config.d_model, eps=config.norm_eps, validate_args=False)
+                           if config.embed_norm else None)
         self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, validate_args=False)
                      if config.pos_encoding == "rope" else None)
         self.dropout = nn.Dropout(config.dropout)
@@ -234,23 +283,33 @@ class GPT(SavedModel):
         for block in cast(Iterable[Block], self.blocks):
             for weight in block.residual_projections():
                 nn.init.normal_(weight, std=residual_std)
+        if config.zero_init:  # every residual branch adds 0 at first, and every logit is 0 (an untied head)
+            for block in cast(Iterable[Block], self.blocks):
+                for weight in block.residual_projections():
+                    nn.init.zeros_(weight)
+            nn.init.zeros_(self.lm_head.weight)
+        if self.bigram is not None:  # _init_weights drew it as any embedding: it starts at 0, as a no-op
+            nn.init.zeros_(self.bigram.table.weight)
 
     @classmethod
     def shallow(cls, config: GPTConfig) -> tuple[GPTConfig, dict[str, int]]:
-        """One dense block and one MoE block (where there are both), each counted as many times as there
-        are of its kind."""
+        """One block of each kind, each counted as many times as there are of its kind: a dense block and a
+        MoE block (where there are both), and with value_residual the first block apart (it has no λ)."""
         n, moe = config.n_layers, moe_layer_count(config)
-        if moe in (0, n):
-            return unchecked(config, n_layers=1, first_dense_layers=0 if moe else config.first_dense_layers,
-                             moe_every=1), {"blocks.0": n}
-        return (unchecked(config, n_layers=2, first_dense_layers=1, moe_every=1),
-                {"blocks.0": n - moe, "blocks.1": moe})
+        lead = [config.is_moe_layer(0)] if config.value_residual and n > 1 else []  # is it MoE
+        rest, rest_moe = n - len(lead), moe - sum(lead)
+        kinds = lead + [False] * (rest_moe < rest) + [True] * (rest_moe > 0)  # whether each block kept is MoE
+        counts = [1] * len(lead) + [rest - rest_moe] * (rest_moe < rest) + [rest_moe] * (rest_moe > 0)
+        first_moe = kinds.index(True) if True in kinds else len(kinds)
+        moe_every = 2 if kinds[first_moe:] in ([True, False], [True, False, True]) else 1
+        return (unchecked(config, n_layers=len(kinds), first_dense_layers=first_moe, moe_every=moe_every),
+                {f"blocks.{i}": count for i, count in enumerate(counts)})
 
     @classmethod
     def activation_bytes(cls, config: GPTConfig, batch_size: int, n: int) -> int:
         c, moe = config, moe_layer_count(config)
         per_token = ((c.n_layers - moe) * layer_activations(c, n) + moe * _moe_activations(c, n)
-                     + 3 * c.d_model + 3 * c.vocab_size)
+                     + 3 * c.d_model + 3 * c.vocab_size + _variant_activations(c))
         return FLOAT32 * batch_size * n * per_token
 
     @classmethod
@@ -301,8 +360,7 @@ class GPT(SavedModel):
         padding one, so a row's logits are those of its tokens alone (as Hugging Face's attention_mask).
         """
         offset = self._check_inputs(idx, targets, kv_caches, attention_mask)
-        hidden = self._hidden_states(idx, offset, kv_caches, attention_mask)
-        logits = self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
+        logits = self.output_logits(self._hidden_states(idx, offset, kv_caches, attention_mask))
         if targets is None:
             return logits, None
         try:  # a target out of range makes the CPU loss raise IndexError: explained here, read nothing before
@@ -315,6 +373,13 @@ class GPT(SavedModel):
             loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
         return logits, loss
 
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """h_L (B, n, d_model) -> logits (B, n, vocab_size) = Norm(h_L) W_headᵀ, then c · tanh(logits / c)
+        with logit_softcap c: what `forward` and decoding (`GPTDecoder`) both read."""
+        logits = self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None,
                       attention_mask: Tensor | None = None) -> Tensor:
         """idx (B, n) -> h_L (B, n, d_model), the last block's output before the final norm."""
@@ -325,6 +390,8 @@ class GPT(SavedModel):
                        attention_mask: Tensor | None) -> Tensor:
         n = idx.shape[1]
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
+        if self.token_shift is not None or self.bigram is not None:
+            x = self._add_previous_token_terms(x, idx, offset, kv_caches, attention_mask)
         rope: Rotation | None = self.rope
         if attention_mask is None:
             positions = None
@@ -334,10 +401,28 @@ class GPT(SavedModel):
             rope = None if self.rope is None else self.rope.at(positions)
         if self.position is not None:
             x = self.position(x, offset=offset, positions=positions)
-        x = self.dropout(x)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x0 = x = self.dropout(x)
+        first_values = FirstLayerValues() if self.config.value_residual else None
         for layer, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[layer]
-            x = block(x, mask, rope=rope, kv_cache=cache)
+            x = block(x, mask, rope=rope, kv_cache=cache, x0=x0, first_values=first_values)
+        return x
+
+    def _add_previous_token_terms(self, x: Tensor, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
+                                  attention_mask: Tensor | None) -> Tensor:
+        """x = E[idx] (B, n, d_model) + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1} · V + x_t], the terms that are on.
+        With caches, the predecessor of idx[:, 0] is the first cache's newest token, and idx's last token
+        is kept there for the next call."""
+        last = kv_caches[0].last_tokens() if kv_caches is not None and offset > 0 else None
+        previous, has = previous_tokens(idx, offset, last, attention_mask)  # (B, n) each
+        if kv_caches is not None:
+            kv_caches[0].set_last_tokens(idx[:, -1])
+        if self.token_shift is not None:
+            x = x + self.token_shift(self.token_embedding(previous), has)
+        if self.bigram is not None:
+            x = x + self.bigram(idx, previous, has)
         return x
 
     def _check_inputs(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None,

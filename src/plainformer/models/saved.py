@@ -150,16 +150,17 @@ class SavedModel(nn.Module):
     @classmethod
     def footprint(cls, config: Any) -> Footprint:
         """What the model of `config` holds, counted on the meta device. A vocabulary size of 0 (one the
-        data decides, not known yet) is no model to build: what it holds is affine in that size, so it
-        is counted at two sizes a and 2a past every special id, f(0) = 2 f(a) - f(2a)."""
+        data decides, not known yet) is no model to build: what it holds is a polynomial of degree at most
+        2 in that size (quadratic with GPT's bigram table), so it is counted at three sizes a, 2a and 3a past
+        every special id, f(0) = 3 f(a) - 3 f(2a) + f(3a)."""
         unknown = [f.name for f in dataclasses.fields(config)
                    if f.name.endswith("vocab_size") and getattr(config, f.name) == 0]
         if unknown:
             ids = (getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("_id"))
             a = 1 + max((i for i in ids if _checks.is_int(i)), default=0)
-            one, two = (dataclasses.astuple(cls.footprint(unchecked(config, **dict.fromkeys(unknown, k * a))))
-                        for k in (1, 2))
-            return Footprint(*(2 * x - y for x, y in zip(one, two, strict=True)))
+            one, two, three = (dataclasses.astuple(cls.footprint(unchecked(config, **dict.fromkeys(unknown, k * a))))
+                               for k in (1, 2, 3))
+            return Footprint(*(3 * x - 3 * y + z for x, y, z in zip(one, two, three, strict=True)))
         built, times = cls.shallow(config)
         token = _counting.set(True)
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -287,14 +288,18 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, n_heads, self.head_dim).transpose(1, 2)
 
-    def project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each."""
-        return self.split_heads(self.W_k(key), self.n_kv_heads), self.split_heads(self.W_v(value), self.n_kv_heads)
+    def project_kv(self, key: Tensor, value: Tensor,
+                   value_mix: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each; the values passed
+        through value_mix where given."""
+        k, v = self.split_heads(self.W_k(key), self.n_kv_heads), self.split_heads(self.W_v(value), self.n_kv_heads)
+        return k, v if value_mix is None else value_mix(v)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
                 need_weights: bool = False, rope: Rotation | None = None,
-                kv_cache: KVCache | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                kv_cache: KVCache | None = None,
+                value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """query (B, n, d_model), key and value (B, m, d_model) -> (B, n, d_model).
 
         mask: boolean (True = may attend) or additive float, of shape (n, m), (B, n, m) or
@@ -307,17 +312,20 @@ class MultiHeadAttention(nn.Module):
         (cross-attention, a static cache, filled from key and value on the first call); see
         `KVCache`. With a cache holding P positions, query i sits at position P + i and sees every
         key up to it when is_causal.
+        value_mix: applied to the values V W^V (B, h_kv, m, d_k) of self-attention once projected, before
+        they are cached (GPT's value residual, `nn.shortcuts`).
         """
         if not isinstance(mask, AttentionMask):
             mask = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
                                  is_causal=is_causal, rope=rope, kv_cache=kv_cache)
         if kv_cache is None:
-            return self.attend(query, key, value, mask, rope=rope, need_weights=need_weights)
+            return self.attend(query, key, value, mask, rope=rope, need_weights=need_weights, value_mix=value_mix)
         if kv_cache.static:
             if kv_cache.length == 0:
                 kv_cache.append(*self.project_kv(key, value))
             return self.attend_memory(query, kv_cache, mask, need_weights=need_weights)
-        return self.attend_cached(query, key, value, mask, kv_cache, rope=rope, need_weights=need_weights)
+        return self.attend_cached(query, key, value, mask, kv_cache, rope=rope, need_weights=need_weights,
+                                  value_mix=value_mix)
 
     def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
                  key_padding_mask: Tensor | None = None, is_causal: bool = False,
@@ -337,22 +345,23 @@ class MultiHeadAttention(nn.Module):
                                    attn_mask=attn_mask, device=query.device)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
-               rope: Rotation | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+               rope: Rotation | None = None, need_weights: bool = False,
+               value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """No cache: query (B, n, d_model) attends key/value (B, m, d_model), projected here."""
         q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
-        k, v = self.project_kv(key, value)  # (B, h_kv, m, d_k)
+        k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, m, d_k)
         if rope is not None:
             q, k = rope(q), rope(k)
         return self._attend(q, k, v, mask, need_weights)
 
     def attend_cached(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask, cache: KVCache, *,
-                      rope: Rotation | None = None,
-                      need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                      rope: Rotation | None = None, need_weights: bool = False,
+                      value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
         to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
         with cached=P)."""
         q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
-        k, v = self.project_kv(key, value)  # (B, h_kv, n, d_k)
+        k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, n, d_k)
         if rope is not None:
             q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
         k, v = cache.append(k, v)  # (B, h_kv, P + n, d_k)

@@ -1,7 +1,8 @@
 """The position-wise feed-forward sublayer (Vaswani et al. 2017, section 3.3).
 
     FFN(x) = act(x W_1 + b_1) W_2 + b_2,   act = ReLU (paper), GELU (BERT) or its tanh
-                                            approximation "gelu_tanh" (GPT-2)
+                                            approximation "gelu_tanh" (GPT-2), or ReLU²
+                                            "relu2" = max(0, x)² (Primer, So et al. 2021; Nemotron)
     SwiGLU:  FFN(x) = (SiLU(x W_1) ⊙ x W_3) W_2   (Shazeer 2020)
 
 applied to each position separately: (B, n, d_model) -> (B, n, d_ff) -> (B, n, d_model).
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2", "swiglu")
 
 
 def check_feedforward_args(d_ff: int, activation: str) -> None:
@@ -52,6 +53,8 @@ class FeedForward(nn.Module):
             hidden = F.gelu(hidden)
         elif self.activation == "gelu_tanh":
             hidden = F.gelu(hidden, approximate="tanh")
+        elif self.activation == "relu2":
+            hidden = F.relu(hidden).square()
         else:
             assert self.W_3 is not None  # built for swiglu
             hidden = F.silu(hidden) * self.W_3(x)

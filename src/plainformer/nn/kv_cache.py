@@ -4,6 +4,10 @@ Decoding one token at a time recomputes nothing for the past: the keys and value
 are kept in buffers of shape (B, H_kv, max_len, d_k), written in place as positions arrive. A `static`
 cache holds the keys and values of a fixed memory (cross-attention over the encoder output) that are
 projected once per source and then reused at every decoding step.
+
+A cache also keeps the token id of each row's newest position (`last_tokens`), for a model whose embedding
+reads the previous token (GPT's token_shift and bigram_embedding): at the next step it is the predecessor of
+the first new token.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class KVCache:
         # Uninitialised: only positions 0 .. length-1, written before they are read, are ever read.
         self._k = torch.empty(shape, dtype=dtype, device=device)
         self._v = torch.empty(shape, dtype=dtype, device=device)
+        self._last = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,), see last_tokens
         self.max_len, self.static = max_len, static
         self.length = 0
 
@@ -63,6 +68,14 @@ class KVCache:
     def values(self) -> Tensor:
         return self._v[:, :, :self.length]
 
+    def last_tokens(self) -> Tensor:
+        """(B,) the token id at position length-1 of each row, as the model wrote it (`set_last_tokens`)."""
+        return self._last
+
+    def set_last_tokens(self, ids: Tensor) -> None:
+        """Keep ids (B,) as the tokens of the newest positions."""
+        self._last.copy_(ids)
+
     def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
         """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
 
@@ -70,6 +83,7 @@ class KVCache:
         """
         self._k = self._k.index_select(0, batch_indices)
         self._v = self._v.index_select(0, batch_indices)
+        self._last = self._last.index_select(0, batch_indices)
 
 
 class RowsKVCache(KVCache):
@@ -85,7 +99,7 @@ class RowsKVCache(KVCache):
         super().__init__(max_rows, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         # Zeroed, unlike a KVCache: a masked column still enters the product weights · V (as 0 · v), so it
         # must hold no NaN that uninitialised memory could.
-        self._k_all, self._v_all = self._k.zero_(), self._v.zero_()
+        self._k_all, self._v_all, self._last_all = self._k.zero_(), self._v.zero_(), self._last
         self.resize(0)
 
     @classmethod
@@ -104,18 +118,20 @@ class RowsKVCache(KVCache):
 
     def resize(self, rows: int) -> None:
         """Decode with the first `rows` rows (those past it are free)."""
-        self._k, self._v = self._k_all[:rows], self._v_all[:rows]
+        self._k, self._v, self._last = self._k_all[:rows], self._v_all[:rows], self._last_all[:rows]
 
     def put(self, row: int, source: KVCache) -> None:
         """Copy the positions of `source` (a one-row cache) into `row`, ending at column length-1."""
         n = source.length
         self._k_all[row, :, self.length - n:self.length] = source.keys()[0]
         self._v_all[row, :, self.length - n:self.length] = source.values()[0]
+        self._last_all[row] = source.last_tokens()[0]
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s positions into row `dst` (a finished row's slot is refilled by the last row)."""
         self._k_all[dst, :, :self.length] = self._k_all[src, :, :self.length]
         self._v_all[dst, :, :self.length] = self._v_all[src, :, :self.length]
+        self._last_all[dst] = self._last_all[src]
 
     def shift(self, columns: int) -> None:
         """Move every row's positions `columns` to the right (> 0: room for a longer row before them)
