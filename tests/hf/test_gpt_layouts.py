@@ -184,6 +184,9 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(MIXTRAL, moe_every=2), "moe_every=2"),
     (dict(MIXTRAL, capacity_factor=1.0), "capacity_factor=1.0"),
     (dict(MIXTRAL, bias_update_rate=0.1), "bias_update_rate=0.1"),
+    (dict(LLAMA, qk_norm=True), "qk_norm=True has no Hugging Face layout here"),
+    (dict(MIXTRAL, qk_norm=True), "qk_norm=True"),
+    (dict(GPT2, qk_norm=True), "qk_norm=True"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))

@@ -85,6 +85,7 @@ ACTIVATION_CASES = {
     "gpt 1024 keys": dict(block_size=1024),
     "gpt MoE": dict(n_experts=4, top_k=2, d_ff=128),
     "gpt large vocabulary": dict(vocab_size=5000),
+    "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
 }
 
 

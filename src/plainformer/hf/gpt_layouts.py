@@ -292,6 +292,8 @@ MIXTRAL = _rotary_layout(
 
 LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
+# Attention variants none of the layouts above computes, at the value that switches each off.
+_NO_LAYOUT = {"qk_norm": False}
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
@@ -303,7 +305,9 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
 
 def layout_for(config: GPTConfig) -> Layout:
     """The layout a GPT with this config exports to: Mixtral with experts, else GPT-2 for learned
-    positions, Llama for rotary."""
+    positions, Llama for rotary; refused, naming the field, for a variant none of them computes."""
+    for field, off in _NO_LAYOUT.items():
+        _require(config, layout="GPT-2, Llama or Mixtral", **{field: off})
     if config.n_experts:
         return MIXTRAL
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:
