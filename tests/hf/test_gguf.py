@@ -1,7 +1,8 @@
 """GGUF files proven by the programs that read them: llama.cpp itself (xllamacpp), transformers' GGUF loader
 and the gguf package's reader. The GPTs are a GPT-2-layout and a Llama-layout model with a char and a BPE
 tokenizer, trained here for 150 steps on the bundled corpus (so that greedy decoding is not degenerate),
-and the layouts' variants of tests/reference/hf_gpt.py with random weights."""
+a Qwen3-layout one (QK-norm) with the char tokenizer, and the layouts' variants of tests/reference/hf_gpt.py
+with random weights."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ LAYOUTS = {
     "gpt2": dict(pos_encoding="learned", norm="layernorm", activation="gelu_tanh", bias=True, tie_weights=True),
     "llama": dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
                   tie_weights=False, norm_eps=1e-5),
+    "qwen3": dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
+                  tie_weights=False, norm_eps=1e-5, qk_norm=True),
 }
 SHAPE = dict(block_size=64, n_layers=2, n_heads=4, d_model=64, d_ff=128, dropout=0.0)
-TRAINED = [(layout, kind) for layout in LAYOUTS for kind in ("char", "bpe")]
+TRAINED = [(layout, kind) for layout in ("gpt2", "llama") for kind in ("char", "bpe")] + [("qwen3", "char")]
 PROMPTS = ("KING HENRY:\nWhat", "To be, or not to", "The night is")
 
 
@@ -164,7 +167,7 @@ def _variant(name: str, **changes) -> pf.GPT:
 
 # llama.cpp has a tensor for each of these; transformers' GGUF reader drops Llama's biases and Mixtral's
 # experts, so these are proven by llama.cpp alone.
-@pytest.mark.parametrize("name", ["gpt2-untied", "llama-tied", "llama-bias", "mixtral-gqa-untied",
+@pytest.mark.parametrize("name", ["gpt2-untied", "llama-tied", "llama-bias", "qwen3-tied", "mixtral-gqa-untied",
                                   "mixtral-tied-top1"])
 def test_llama_cpp_greedy_tokens_of_each_layout_variant_equal_ours(name, tmp_path):
     model = _variant(name)

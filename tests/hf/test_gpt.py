@@ -34,12 +34,13 @@ from tests.reference.hf_gpt import (
     _tokens,
 )
 
-ARCHITECTURES = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "experts": "MixtralForCausalLM"}
+ARCHITECTURES = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "experts": "MixtralForCausalLM",
+                 "qk_norm": "Qwen3ForCausalLM"}
 
 
 def _architecture(name: str) -> str:
     c = CONFIGS[name]
-    return ARCHITECTURES["experts" if c.get("n_experts") else c["pos_encoding"]]
+    return ARCHITECTURES["experts" if c.get("n_experts") else "qk_norm" if c.get("qk_norm") else c["pos_encoding"]]
 
 
 def _assert_same_greedy_tokens(ours: pf.GPT, theirs: transformers.PreTrainedModel, prompt: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ from tests.reference.hf_gpt import (
 @pytest.mark.parametrize("overrides, layout", [
     (GPT2, gpt_layouts.GPT2), (LLAMA, gpt_layouts.LLAMA), (MIXTRAL, gpt_layouts.MIXTRAL),
     (dict(GPT2, n_experts=4, top_k=2), gpt_layouts.MIXTRAL),  # experts decide before the positions
+    (dict(LLAMA, qk_norm=True), gpt_layouts.QWEN3),
 ])
 def test_a_config_takes_the_layout_of_its_positions_or_of_its_experts(overrides, layout):
     assert gpt_layouts.layout_for(pf.GPTConfig(**TINY, **overrides)) is layout
@@ -190,6 +191,9 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(MIXTRAL, value_residual=True), "value_residual=True has no Hugging Face or GGUF layout here"),
     (dict(GPT2, token_shift=True), "token_shift=True has no Hugging Face or GGUF layout here"),
     (dict(LLAMA, bigram_embedding=True), "bigram_embedding=True has no Hugging Face or GGUF layout here"),
+    (dict(MIXTRAL, qk_norm=True), "qk_norm=True has no Hugging Face layout here: Mixtral"),
+    (dict(GPT2, qk_norm=True), "qk_norm=True has no Hugging Face layout here with pos_encoding='learned'"),
+    (dict(LLAMA, qk_norm=True, bias=True), "bias=True has no Hugging Face layout here: Qwen3 needs bias=False"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))

@@ -14,6 +14,7 @@ import plainformer as pf
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
 from plainformer.inference.kernels import measure_kernels
+from tests.reference import llama_family
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 from tests.reference.torch_reference import assert_close
 
@@ -123,6 +124,30 @@ def test_loss_is_cross_entropy_of_the_logits_ignoring_minus_100():
     expected = F.cross_entropy(logits.flatten(0, 1)[kept].double(), targets.flatten()[kept])
     assert abs(loss.item() - expected.item()) <= 1e-5
     assert model(idx)[1] is None
+
+
+# ----------------------------------------------------------------------------- attention variants
+# Each against the released model that has it, built locally with our weights copied in (fp32, 1e-5).
+
+def _llama_shaped(**variant) -> pf.GPT:
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(**TINY, **llama_family.LLAMA_SHAPED, norm_eps=1e-6, rope_base=500.0,
+                                **variant)).eval()
+    llama_family.randomize(model)
+    return model
+
+
+@pytest.mark.parametrize("heads", [dict(n_kv_heads=2, tie_weights=False), dict(tie_weights=True),
+                                   dict(n_kv_heads=1, tie_weights=True)], ids=["gqa-untied", "tied", "mqa-tied"])
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+def test_qk_norm_gpt_equals_qwen3_with_copied_weights(heads, backend):
+    ours = _llama_shaped(qk_norm=True, backend=backend, **heads)
+    theirs = llama_family.qwen3(ours.config)
+    llama_family.copy_into(ours, theirs)
+    assert {"blocks.0.self_attn.q_norm.weight", "blocks.0.self_attn.k_norm.weight"} <= set(ours.state_dict())
+    idx = _tokens(2, TINY["block_size"])
+    with torch.no_grad():
+        assert_close(ours(idx)[0], theirs(idx).logits, "logits")
 
 
 # ----------------------------------------------------------------------------- config and inputs
@@ -262,6 +287,7 @@ CACHE_VARIANTS = {
     "mqa-learned": dict(pos_encoding="learned", n_kv_heads=1, bias=True),
     "issue 49": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
     "issue 49 moe": dict(GPT_VARIANTS_49, n_experts=4, top_k=2, first_dense_layers=1),
+    "qk-norm-gqa-rope": dict(pos_encoding="rope", norm="rmsnorm", n_kv_heads=2, qk_norm=True),
 }
 
 

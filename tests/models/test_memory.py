@@ -90,6 +90,7 @@ ACTIVATION_CASES = {
     "gpt large vocabulary": dict(vocab_size=5000),
     "gpt issue 49 variants": GPT_VARIANTS_49,
     "gpt issue 49 variants, rope, GQA": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
+    "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
 }
 
 

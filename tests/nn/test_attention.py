@@ -376,3 +376,28 @@ def test_static_cache_reuses_the_projected_memory_for_cross_attention():
     steps = [mha(queries[:, t:t + 1], memory, memory, key_padding_mask=keep, kv_cache=cache) for t in range(3)]
     assert cache.length == 5
     assert_close(torch.cat(steps, dim=1), full)
+
+
+# ----------------------------------------------------------------------------- attention variants
+
+def _rms_normed(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def test_qk_norm_rms_normalises_each_heads_query_and_key_over_d_k():
+    """The float64 equation: q_h = RMSNorm(x W_h^Q) ⊙ γ_q, k_h = RMSNorm(x W_h^K) ⊙ γ_k, then torch's sdpa."""
+    torch.manual_seed(0)
+    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=2, qk_norm=True, norm_eps=1e-3).double()
+    with torch.no_grad():
+        mha.q_norm.weight.normal_(1.0, 0.5), mha.k_norm.weight.normal_(1.0, 0.5)
+    assert mha.q_norm.weight.shape == mha.k_norm.weight.shape == (4,)  # one d_k weight shared by the heads
+    x = torch.randn(B, 5, 16, dtype=torch.float64)
+    q = _rms_normed((x @ mha.W_q.weight.T + mha.W_q.bias).view(B, 5, 4, 4), mha.q_norm.weight, 1e-3)
+    k = _rms_normed((x @ mha.W_k.weight.T + mha.W_k.bias).view(B, 5, 2, 4), mha.k_norm.weight, 1e-3)
+    v = (x @ mha.W_v.weight.T + mha.W_v.bias).view(B, 5, 2, 4)
+    heads = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+    expected = heads.transpose(1, 2).reshape(B, 5, 16) @ mha.W_o.weight.T + mha.W_o.bias
+    for backend in ("math", "sdpa", "flash"):
+        mha.backend = backend
+        assert_close(mha(x, x, x, is_causal=True), expected, backend)

@@ -1,4 +1,4 @@
-"""The tiny GPT-2, Llama and Mixtral models the Hugging Face tests share: our configs, transformers' configs of
+"""The tiny GPT-2, Llama, Qwen3 and Mixtral models the Hugging Face tests share: our configs, transformers' configs of
 the same shapes written with transformers' own names (independent of plainformer's translation), directories
 transformers saves, and the comparisons the tests make."""
 
@@ -28,6 +28,8 @@ CONFIGS = {
     "llama-gqa-untied": {**LLAMA, "n_kv_heads": 2, "tie_weights": False},
     "llama-tied": {**LLAMA, "tie_weights": True},
     "llama-bias": {**LLAMA, "bias": True, "n_kv_heads": 1, "tie_weights": False},
+    "qwen3-gqa-untied": {**LLAMA, "qk_norm": True, "n_kv_heads": 2, "tie_weights": False},
+    "qwen3-tied": {**LLAMA, "qk_norm": True, "tie_weights": True},
     "mixtral-gqa-untied": {**MIXTRAL, "n_kv_heads": 2, "tie_weights": False},
     "mixtral-tied-top1": {**MIXTRAL, "top_k": 1, "tie_weights": True},
 }
@@ -72,6 +74,14 @@ def _hf_config(name: str) -> transformers.PretrainedConfig:
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             num_local_experts=c["n_experts"], num_experts_per_tok=c["top_k"], router_aux_loss_coef=0.02,
             tie_word_embeddings=c["tie_weights"], sliding_window=None, bos_token_id=None, eos_token_id=None)
+    if c.get("qk_norm"):
+        return transformers.Qwen3Config(
+            vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
+            num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
+            num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], head_dim=c["d_model"] // c["n_heads"],
+            max_position_embeddings=c["block_size"], rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attention_bias=False,
+            use_sliding_window=False, tie_word_embeddings=c["tie_weights"], bos_token_id=None, eos_token_id=None)
     return transformers.LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
         num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],

@@ -4,21 +4,22 @@
 A GPT goes out in the layout it has on Hugging Face (`hf.gpt_layouts`): the tensors are `state_to_hf`'s, named
 as llama.cpp names them (`gguf.get_tensor_name_map`), in nn.Linear's (out, in) order:
 
-    plainformer GPT        Hugging Face                       GGUF (general.architecture = gpt2 | llama)
+    plainformer GPT        Hugging Face                       GGUF (general.architecture = gpt2 | llama | qwen3)
     token_embedding        transformer.wte / model.embed_tokens   token_embd
     position.embedding     transformer.wpe                     position_embd         (gpt2)
     W_q | W_k | W_v        attn.c_attn (fused, Conv1D's Wᵀ)    blk.{i}.attn_qkv      (gpt2, W again)
     W_q, W_k, W_v, W_o     self_attn.q_proj, ...               blk.{i}.attn_q, attn_k, attn_v, attn_output
     norm1, norm2, norm     ln_1, ln_2, ln_f / ...layernorm     blk.{i}.attn_norm, ffn_norm, output_norm
     W_1, W_3, W_2          mlp.gate_proj, up_proj, down_proj   blk.{i}.ffn_gate, ffn_up, ffn_down
+    q_norm, k_norm         self_attn.q_norm, k_norm            blk.{i}.attn_q_norm, attn_k_norm (qwen3)
     router, W_1[e] ...     block_sparse_moe.gate, experts.{e}  blk.{i}.ffn_gate_inp, ffn_gate_exps (E, out, in)
     lm_head (untied)       lm_head                             output (absent when tied: llama.cpp reuses
                                                                token_embd)
 
-Rotary positions: ours and Hugging Face's rotate the halves (x_j, x_{j+d/2}) of each head, llama.cpp's
-`llama` rotates neighbours (x_{2j}, x_{2j+1}). So the rows of W_q and W_k are reordered within each head,
-r_0 .. r_{d-1} -> r_0, r_{d/2}, r_1, r_{d/2+1}, ..., which moves every pair next to each other and leaves
-q·k unchanged (the same permutation of both).
+Rotary positions: ours and Hugging Face's rotate the halves (x_j, x_{j+d/2}) of each head, as llama.cpp's
+`qwen3` does; its `llama` rotates neighbours (x_{2j}, x_{2j+1}). So for `llama` the rows of W_q and W_k are
+reordered within each head, r_0 .. r_{d-1} -> r_0, r_{d/2}, r_1, r_{d/2+1}, ..., which moves every pair next
+to each other and leaves q·k unchanged (the same permutation of both).
 
 dtype: "f32"; "f16" (every matrix in half precision); "q8_0", llama.cpp's block format: each run of 32
 consecutive weights of a row is stored as 32 int8 q_j and one fp16 scale s = max_j |w_j| / 127, w_j ≈ s·q_j
@@ -48,10 +49,11 @@ from ..data.tokenizers import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Token
 from ..files.atomic import atomic_path
 from ..models.gpt import GPT, GPTConfig
 from .gpt import exported_state, state_to_hf, weight_map
-from .gpt_layouts import GPT2, LLAMA, MIXTRAL, Layout, layout_for
+from .gpt_layouts import GPT2, LLAMA, MIXTRAL, QWEN3, Layout, layout_for
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
-_ARCHITECTURES = {GPT2.model_type: "gpt2", LLAMA.model_type: "llama", MIXTRAL.model_type: "llama"}
+_ARCHITECTURES = {GPT2.model_type: "gpt2", LLAMA.model_type: "llama", MIXTRAL.model_type: "llama",
+                  QWEN3.model_type: "qwen3"}
 
 
 def save_gguf(model: GPT, path: str | os.PathLike, *, dtype: str = "f32",
@@ -133,8 +135,8 @@ def gguf_tensors(state: dict[str, Tensor], config: GPTConfig, layout: Layout,
     takes (float32, float16, or q8_0's bytes (rows, n/32·34) uint8)."""
     import gguf
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2 if layout is GPT2 else gguf.MODEL_ARCH.LLAMA,
-                                     config.n_layers)
+    architecture = {"gpt2": gguf.MODEL_ARCH.GPT2, "llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    names = gguf.get_tensor_name_map(architecture[_ARCHITECTURES[layout.model_type]], config.n_layers)
     hf_state = state_to_hf(state, config, layout)  # its checks (a Mixtral router bias must be zero) included
     for w in weight_map(config, layout):
         if w.expert not in (None, 0):
@@ -153,9 +155,10 @@ def gguf_tensors(state: dict[str, Tensor], config: GPTConfig, layout: Layout,
 
 
 def _rotary_pairs_adjacent(name: str, tensor: Tensor, config: GPTConfig, layout: Layout) -> Tensor:
-    """W_q's or W_k's rows (or bias) r_0 .. r_{d-1} of each head as r_0, r_{d/2}, r_1, r_{d/2+1}, ...:
-    (H·d, ...) -> (H, 2, d/2, ...) -> (H, d/2, 2, ...) -> (H·d, ...)."""
-    if layout is GPT2 or not name.endswith(("attn_q", "attn_k")):
+    """For llama.cpp's `llama`, W_q's or W_k's rows (or bias) r_0 .. r_{d-1} of each head as r_0, r_{d/2}, r_1,
+    r_{d/2+1}, ...: (H·d, ...) -> (H, 2, d/2, ...) -> (H, d/2, 2, ...) -> (H·d, ...). Its `qwen3` rotates the
+    halves (NeoX's rotary), as we do, and takes the rows as they are."""
+    if _ARCHITECTURES[layout.model_type] != "llama" or not name.endswith(("attn_q", "attn_k")):
         return tensor
     heads = config.n_heads if name.endswith("attn_q") else config.n_kv_heads or config.n_heads
     d = config.head_dim

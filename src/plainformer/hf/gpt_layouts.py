@@ -1,4 +1,4 @@
-"""The Hugging Face layouts of a GPT: GPT-2, Llama and Mixtral, one `Layout` each, and `layout_for`.
+"""The Hugging Face layouts of a GPT: GPT-2, Llama, Qwen3 and Mixtral, one `Layout` each, and `layout_for`.
 
 Each layout is a small declarative table of (Hugging Face module, our module(s), kind), with its
 config.json translation; `hf.gpt` reads the tables into tensors (`weight_map`). The kind says which
@@ -26,6 +26,12 @@ axis, e.g. GPT-2's c_attn = [W_q | W_k | W_v] (equal parts, as GPT-2 has no grou
     transformer.h.{i}.mlp.c_proj              ...mlp.down_proj                     blocks.{i}.ff.W_2
     transformer.ln_f                          model.norm                           norm
     lm_head (untied only)                     lm_head (untied only)                lm_head
+
+Qwen3 (Qwen3ForCausalLM) is Llama with QK-norm (a GPT with qk_norm=True): each head's query and key
+RMS-normalised over d_k before rotary, one weight of d_k shared by the heads:
+
+    Qwen3                                             plainformer GPT
+    model.layers.{i}.self_attn.q_norm | k_norm        blocks.{i}.self_attn.q_norm | k_norm
 
 Mixtral (MixtralForCausalLM) is Llama with every feed-forward a Mixture of Experts (a GPT with
 n_experts > 0): softmax router, top-K, gates renormalised over the K, SwiGLU experts, as `nn.moe`:
@@ -200,21 +206,46 @@ _ROTARY_ATTENTION = (("input_layernorm", "norm1", NORM),
 _ROTARY_OUTSIDE = (("model.embed_tokens", "token_embedding", EMBEDDING), ("model.norm", "norm", NORM))
 
 
+_QK_NORMS = (("self_attn.q_norm", "self_attn.q_norm", NORM), ("self_attn.k_norm", "self_attn.k_norm", NORM))
+_SWIGLU = (("mlp.gate_proj", "ff.W_1", LINEAR),
+           ("mlp.up_proj", "ff.W_3", LINEAR),
+           ("mlp.down_proj", "ff.W_2", LINEAR))
+
+
 def _rotary_layout(model_type: str, architecture: str, feed_forward: tuple[tuple[str, str, str], ...],
-                   **translation: Any) -> Layout:
-    """A Llama-family layout: the shared outside and attention names, and `feed_forward`'s."""
+                   attention: tuple[tuple[str, str, str], ...] = (), **translation: Any) -> Layout:
+    """A Llama-family layout: the shared outside and attention names, the `attention` a variant adds,
+    and `feed_forward`'s."""
     return Layout(model_type=model_type, architecture=architecture, base_prefix="model.",
                   modules=_ROTARY_OUTSIDE, layer_prefix="model.layers.{i}.",
-                  layer=(*_ROTARY_ATTENTION, *feed_forward), ignored_suffixes=(".rotary_emb.inv_freq",),
-                  **translation)
+                  layer=(*_ROTARY_ATTENTION, *attention, *feed_forward),
+                  ignored_suffixes=(".rotary_emb.inv_freq",), **translation)
 
 
-LLAMA = _rotary_layout(
-    "llama", "LlamaForCausalLM",
-    (("mlp.gate_proj", "ff.W_1", LINEAR),
-     ("mlp.up_proj", "ff.W_3", LINEAR),
-     ("mlp.down_proj", "ff.W_2", LINEAR)),
-    config_to_hf=_llama_config_to_hf, config_from_hf=_llama_config_from_hf)
+LLAMA = _rotary_layout("llama", "LlamaForCausalLM", _SWIGLU,
+                       config_to_hf=_llama_config_to_hf, config_from_hf=_llama_config_from_hf)
+
+
+def _qwen3_config_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """Llama's keys with QK-norm, which Qwen3 always has, and no bias (its MLP has none)."""
+    _require(config, activation="swiglu", layout="Qwen3")
+    _require(config, bias=False, layout="Qwen3")
+    return {**_rotary_config_to_hf(config, "Qwen3"), "attention_bias": False, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": config.n_layers}
+
+
+def _qwen3_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    if hf.get("attention_bias", False):
+        raise ValueError("attention_bias=True is not supported for Qwen3: plainformer has one bias switch, and "
+                         "Qwen3's MLP has no bias")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported for Qwen3: its window covers only the layers "
+                         "past max_window_layers, where plainformer's sliding_window covers every layer")
+    return {**_rotary_config_from_hf(hf), "bias": False, "qk_norm": True}
+
+
+QWEN3 = _rotary_layout("qwen3", "Qwen3ForCausalLM", _SWIGLU, attention=_QK_NORMS,
+                       config_to_hf=_qwen3_config_to_hf, config_from_hf=_qwen3_config_from_hf)
 
 # What MixtralConfig assumes for a key its config.json leaves out, where Llama's differs.
 _MIXTRAL_DEFAULTS = {"rope_theta": 1e6, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
@@ -291,8 +322,10 @@ MIXTRAL = _rotary_layout(
     config_to_hf=_mixtral_config_to_hf, config_from_hf=_mixtral_config_from_hf,
     buffers=_zero_router_biases, renamed=_per_expert)
 
-LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MIXTRAL)}
+LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, QWEN3, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
+# Attention variants none of the layouts above computes, at the value that switches each off.
+_NO_LAYOUT: dict[str, Any] = {}
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
@@ -314,14 +347,21 @@ def field_without_layout(config: GPTConfig) -> str | None:
 
 
 def layout_for(config: GPTConfig) -> Layout:
-    """The layout a GPT with this config exports to: Mixtral with experts, else GPT-2 for learned
-    positions, Llama for rotary."""
+    """The layout a GPT with this config exports to: Mixtral with experts, else Qwen3 with QK-norm, else
+    GPT-2 for learned positions, Llama for rotary; refused, naming the field, for a variant none of them
+    computes."""
     field = field_without_layout(config)
     if field is not None:
         raise ValueError(f"{field}={getattr(config, field)!r} has no Hugging Face or GGUF layout here: "
-                         f"GPT-2, Llama and Mixtral need {field}={_ONLY_OURS[field]!r}")
+                         f"GPT-2, Llama, Qwen3 and Mixtral need {field}={_ONLY_OURS[field]!r}")
     if config.n_experts:
+        _require(config, layout="Mixtral (experts)", qk_norm=False)
         return MIXTRAL
+    if config.qk_norm:
+        if config.pos_encoding != "rope":
+            raise ValueError(f"qk_norm=True has no Hugging Face layout here with pos_encoding="
+                             f"{config.pos_encoding!r}: Qwen3, the layout with QK-norm, needs pos_encoding='rope'")
+        return QWEN3
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:
         raise ValueError(f"pos_encoding={config.pos_encoding!r} has no Hugging Face layout: GPT-2 learns "
                          "positions (pos_encoding='learned'), Llama rotates them (pos_encoding='rope')")

@@ -3,10 +3,11 @@ model adds up into its training, evaluation and decoding estimates (models/memor
 
 Training one micro-batch of B rows of n tokens keeps, in float32 (an estimate, on the high side):
 
-    A = B n [ Σ_l (7 d + 2 d_kv + a · d_ff + w + r) + 3 d + 3 V ]
+    A = B n [ Σ_l (7 d + 2 d_kv + a · d_ff + w + r + g) + 3 d + 3 V ]
 
 per layer the residual input and the norm's output of each sublayer, q, k, v, the attention output
-before and after merging the heads, and the FFN's hidden states (a = 2, or 4 for SwiGLU; on a MoE
+before and after merging the heads (g = d + d_kv more with QK-norm: q and k before their norms), and the
+FFN's hidden states (a = 2, or 4 for SwiGLU; on a MoE
 layer, top_k experts' worth and the router's logits); w, the attention weights per query where they
 are materialised: 3 h n with attention dropout (the weights, the dropped weights, the mask), h n on the
 math path, h n / 2 under backend "auto" on at most 512 keys (the math path, in bfloat16), none in the
@@ -55,8 +56,9 @@ def dropout(c: Any, d_ff: int) -> int:
 
 def layer_activations(c: Any, keys: int) -> int:
     """Elements kept per token by one dense self-attention layer (see the module docstring)."""
+    qk_norm = c.d_model + kv_width(c) if getattr(c, "qk_norm", False) else 0
     return (7 * c.d_model + 2 * kv_width(c) + hidden(c.activation, c.d_ff) + scores(c, keys)
-            + dropout(c, c.d_ff))
+            + dropout(c, c.d_ff) + qk_norm)
 
 
 def cross_activations(c: Any, keys: int) -> int:

@@ -86,6 +86,8 @@ class GPTConfig(Config):
     backend: str = one_of("auto", BACKENDS)
     rope_base: float = greater_than(10000.0, 1)
     norm_eps: float = positive(1e-5)
+    # Attention variants, each off by default (nn/attention.py): see the README's table.
+    qk_norm: bool = False
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
     n_experts: int = non_negative_int(0)
     top_k: int = positive_int(2)
@@ -172,7 +174,8 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
-                                            dropout=c.dropout, backend=c.backend, validate_args=False)
+                                            dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
+                                            norm_eps=c.norm_eps, validate_args=False)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)

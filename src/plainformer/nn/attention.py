@@ -13,6 +13,9 @@ Inside the layers the masks travel as one `AttentionMask` (see `masks`), combine
 
 Grouped-query attention (Ainslie et al. 2023): keys and values may carry H_kv heads where H_kv divides
 the H query heads; query head h reads key/value head h // (H / H_kv).
+
+QK-norm (Qwen3, OLMo 2; `qk_norm=True`): each head's query and key is RMS-normalised over d_k, with a
+learned weight per feature, before the rotary embedding: q_h = RMSNorm(x W_h^Q), k_h = RMSNorm(x W_h^K).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
+from .normalization import RMSNorm
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -258,6 +262,8 @@ class MultiHeadAttention(nn.Module):
     The h per-head projections are stored together as one `Linear` (a torch.nn.Linear) each: `W_q` (d_model -> h·d_k),
     `W_k` and `W_v` (d_model -> h_kv·d_k), `W_o` (h·d_k -> d_model), with d_k = d_model / h.
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
+    qk_norm adds `q_norm` and `k_norm` (RMSNorm over d_k, eps norm_eps, one weight shared by the heads, as
+    Qwen3's `self_attn.q_norm` / `k_norm`), applied to each head's query and key before rope.
 
     `forward` checks its arguments and combines the masks, unless it is handed the batch's
     `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
@@ -270,10 +276,13 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, backend: str = "auto", validate_args: bool = True):
+                 dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
+                 validate_args: bool = True):
         super().__init__()
         if validate_args:
             check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend)
+            if qk_norm:
+                _checks.check_positive_number("norm_eps", norm_eps)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
@@ -282,17 +291,27 @@ class MultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
 
-    def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
-        """(B, n, h·d_k) -> (B, h, n, d_k)."""
+    def split_heads(self, x: Tensor, n_heads: int, norm: nn.Module | None = None) -> Tensor:
+        """(B, n, h·d_k) -> (B, h, n, d_k), each head normalised by `norm` over d_k when given."""
         batch, length, _ = x.shape
-        return x.view(batch, length, n_heads, self.head_dim).transpose(1, 2)
+        heads = x.view(batch, length, n_heads, self.head_dim)  # (B, n, h, d_k)
+        if norm is not None:
+            heads = norm(heads)
+        return heads.transpose(1, 2)
+
+    def project_q(self, query: Tensor) -> Tensor:
+        """Q W^Q split into heads (QK-normed where qk_norm): (B, n, d_model) -> (B, h, n, d_k)."""
+        return self.split_heads(self.W_q(query), self.n_heads, self.q_norm)
 
     def project_kv(self, key: Tensor, value: Tensor,
                    value_mix: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each; the values passed
-        through value_mix where given."""
-        k, v = self.split_heads(self.W_k(key), self.n_kv_heads), self.split_heads(self.W_v(value), self.n_kv_heads)
+        """K W^K (QK-normed where qk_norm) and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k)
+        each; the values passed through value_mix where given."""
+        k = self.split_heads(self.W_k(key), self.n_kv_heads, self.k_norm)
+        v = self.split_heads(self.W_v(value), self.n_kv_heads)
         return k, v if value_mix is None else value_mix(v)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
@@ -348,7 +367,7 @@ class MultiHeadAttention(nn.Module):
                rope: Rotation | None = None, need_weights: bool = False,
                value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """No cache: query (B, n, d_model) attends key/value (B, m, d_model), projected here."""
-        q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
+        q = self.project_q(query)  # (B, h, n, d_k)
         k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, m, d_k)
         if rope is not None:
             q, k = rope(q), rope(k)
@@ -360,7 +379,7 @@ class MultiHeadAttention(nn.Module):
         """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
         to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
         with cached=P)."""
-        q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
+        q = self.project_q(query)  # (B, h, n, d_k)
         k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, n, d_k)
         if rope is not None:
             q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
@@ -370,7 +389,7 @@ class MultiHeadAttention(nn.Module):
     def attend_memory(self, query: Tensor, memory: KVCache, mask: AttentionMask = NO_MASK, *,
                       need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Cross-attention over a memory whose keys and values were projected once (a static cache)."""
-        q = self.split_heads(self.W_q(query), self.n_heads)  # (B, h, n, d_k)
+        q = self.project_q(query)  # (B, h, n, d_k)
         return self._attend(q, memory.keys(), memory.values(), mask, need_weights)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
