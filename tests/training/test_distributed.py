@@ -224,7 +224,7 @@ def test_checkpoint_of_two_processes_holds_every_ranks_rng_state(runs):
 
 def test_only_rank_zero_writes_files(runs):
     assert sorted(p.name for p in (runs / "ddp").iterdir()) == [
-        ".lock", "best", "last", "loss.png", "metrics.jsonl", "rank0.safetensors", "rank1.safetensors"]
+        "best", "last", "loss.png", "metrics.jsonl", "rank0.safetensors", "rank1.safetensors"]
 
 
 # ----------------------------------------------------------------------------- faults
