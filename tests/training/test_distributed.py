@@ -317,7 +317,9 @@ def test_train_nproc_starts_torchrun_and_only_rank_zero_prints(tmp_path):
     assert state["world_size"] == 2 and state["data_position"] == 2
 
 
-def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+def _start_training(tmp_path: Path) -> subprocess.Popen:
+    """`plainformer train` of a tiny model on 2 ranks for 100,000 steps, through the launcher `--nproc` runs,
+    once its first step is logged; its output in tmp_path/stdout and tmp_path/stderr, its run in tmp_path/run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "PLAINFORMER_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
@@ -331,9 +333,9 @@ def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
     code = f"from plainformer.training.distributed import run_torchrun; raise SystemExit(run_torchrun(2, {argv!r}))"
     # Its own process group stands for the terminal's foreground group that Ctrl-C signals. Its output goes
     # to files, not pipes: nobody reads a pipe while waiting, and a full one would stop the ranks.
-    stdout_file, stderr_file = (open(tmp_path / name, "w+") for name in ("stdout", "stderr"))
-    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
-                                stdout=stdout_file, stderr=stderr_file, text=True)
+    with open(tmp_path / "stdout", "w") as stdout_file, open(tmp_path / "stderr", "w") as stderr_file:
+        launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                                    stdout=stdout_file, stderr=stderr_file, text=True)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
@@ -342,15 +344,57 @@ def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
                             f"{(tmp_path / 'stderr').read_text()[-3000:]}")
             assert time.monotonic() < deadline, "training did not start within 180 s"
             time.sleep(0.5)
+    except BaseException:
+        _stop(launcher)
+        raise
+    return launcher
+
+
+def _stop(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def _rank_pid(tmp_path: Path, rank: int) -> int:
+    """The pid of the rank `rank` of `_start_training(tmp_path)`, found by its environment."""
+    marker = f"PLAINFORMER_CACHE={tmp_path / 'cache'}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # not a process, or not ours
+            continue
+        if marker in environ and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+    launcher = _start_training(tmp_path)
+    try:
         os.killpg(launcher.pid, signal.SIGINT)
         launcher.wait(timeout=60)
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        stdout_file.close()
-        stderr_file.close()
+        _stop(launcher)
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert launcher.returncode == 130, stderr[-3000:]
     report = json.loads(stdout.splitlines()[-1])
+    out = tmp_path / "run"
     assert report["interrupted"] and load_checkpoint(out / "last").trainer_state["step"] == report["step"]
     assert [p.name for p in out.iterdir() if "last" in p.name] == ["last"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_is_named_in_one_line_by_the_survivor_which_leaves_no_lock(tmp_path):
+    launcher = _start_training(tmp_path)
+    try:
+        os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        _stop(launcher)
+    stderr = (tmp_path / "stderr").read_text()
+    assert launcher.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-2:] == [
+        "plainformer: error: rank 1 of the 2 stopped (its process has ended), so rank 0 stopped too",  # rank 0's
+        "plainformer: error: rank 1 failed (signal SIGKILL); its own output is above"]  # the launcher's
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl", "recipe.yaml"]
