@@ -31,6 +31,7 @@ from plainformer.checkpoint.format import load_checkpoint
 from plainformer.data.lm import LMBatchSource
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.nn.moe import MoEFeedForward
+from plainformer.training import precision
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -38,6 +39,7 @@ from plainformer.training.distributed import (
     resolve_parallel,
     torchrun_command,
 )
+from plainformer.training.precision import resolve_dtype
 from plainformer.training.trainer import Trainer
 
 WORLD, B, STEPS, VOCAB, BLOCK = 2, 3, 4, 23, 8
@@ -108,6 +110,33 @@ def _two_process_worker(rank: int, port: int, root: str) -> None:
                 save_file({**{k: v.clone() for k, v in full.items()}, "next_draw": next_draw},
                           out / f"rank{rank}.safetensors")
             torch.distributed.barrier()
+        _choose_dtype_auto(rank, Path(root) / "auto")
+
+
+# bf16 / fp32 matmul rates each rank would measure alone: rank 0 bf16 (at least MIN_BF16_SPEEDUP), rank 1 fp32
+BF16_RATES = {0: 1.9, 1: 0.5}
+
+
+def _measuring(patch: pytest.MonkeyPatch, rank: int) -> None:
+    """precision's probe on a CPU without AMX that measures bf16 at BF16_RATES[rank] times fp32's rate
+    (the measurement kept until `precision.cpu_bf16_speedup.cache_clear()`)."""
+    patch.setattr(precision, "cpu_has_amx", lambda: False)
+    patch.setattr(precision, "matmul_rate",
+                  lambda dtype, *args, **kwargs: BF16_RATES[rank] if dtype == torch.bfloat16 else 1.0)
+    precision.cpu_bf16_speedup.cache_clear()
+
+
+def _choose_dtype_auto(rank: int, out: Path) -> None:
+    """A one-step run with dtype "auto" of a model wide enough for bf16 on a CPU (d_model 128), its
+    rank's probe as BF16_RATES says; writes this rank's (dtype, why) to out/dtype{rank}.json."""
+    with pytest.MonkeyPatch.context() as patch:
+        _measuring(patch, rank)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=1, n_heads=2, d_model=128, d_ff=128))
+        trainer = Trainer(model, _source(), _config(dtype="auto", max_steps=1, eval_interval=0), out, progress=False)
+        trainer.fit()
+    precision.cpu_bf16_speedup.cache_clear()
+    (out / f"dtype{rank}.json").write_text(json.dumps([trainer.config.dtype, trainer._dtype_reason]))
 
 
 def _free_port() -> int:
@@ -220,6 +249,20 @@ def test_checkpoint_of_two_processes_holds_every_ranks_rng_state(runs):
     for rank in range(WORLD):
         checkpoint.restore_rng_state(rank)
         assert torch.equal(torch.rand(3), draws[rank]), rank
+
+
+def test_dtype_auto_is_rank_zeros_choice_on_every_rank_and_the_one_process_choice(runs, monkeypatch):
+    try:
+        _measuring(monkeypatch, 0)
+        alone = list(resolve_dtype("auto", "cpu", 128))
+        _measuring(monkeypatch, 1)
+        assert resolve_dtype("auto", "cpu", 128)[0] == "float32"  # what rank 1 would choose alone
+    finally:
+        precision.cpu_bf16_speedup.cache_clear()
+    assert alone == ["bfloat16", "no AMX, but bf16 matmuls measured 1.9x fp32's on this CPU"]
+    for rank in range(WORLD):
+        assert json.loads((runs / "auto" / f"dtype{rank}.json").read_text()) == [alone[0], alone[1] + " by rank 0"]
+    assert load_checkpoint(runs / "auto" / "last").train_config["dtype"] == "bfloat16"
 
 
 def test_only_rank_zero_writes_files(runs):

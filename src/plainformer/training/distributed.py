@@ -39,8 +39,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,8 @@ from ..launch import Launch, current_launch, launch_from_env
 from ..nn.dtypes import at_least_float32
 from .config import PARALLEL
 from .optim import MuonWithAdamW
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a peer before failing
@@ -383,6 +385,15 @@ class Distributed:
                                     for group in state["param_groups"]]}
         set_optimizer_state_dict(self.model, _torch_optimizers(optimizer), by_name,
                                  options=StateDictOptions(full_state_dict=True))
+
+    def from_main(self, compute: Callable[[], T]) -> T:
+        """compute() on rank 0, its value on every rank (any picklable value): what rank 0 alone decides,
+        every rank calling this at the same point."""
+        if self.world_size == 1:
+            return compute()
+        value = [compute() if self.is_main else None]
+        dist.broadcast_object_list(value, src=0)
+        return cast(T, value[0])
 
     def gather(self, value: Any) -> list[Any]:
         """[value of rank 0, ..., value of rank W−1] on every rank (any picklable value)."""
