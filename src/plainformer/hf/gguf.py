@@ -27,8 +27,8 @@ q8_0 a matrix whose rows are not a multiple of 32 long is written f16.
 
 A GELU model (activation "gelu", erf's: nanoGPT's) goes out as `gpt2` too, whose FFN llama.cpp computes with
 GELU's tanh approximation; the two differ by less than 5e-4 anywhere, and `save_gguf` says so in one line on
-stderr with what the difference does to this model's logits, measured (`tanh_gelu_effect`). No llama.cpp
-architecture with learned positions computes erf's GELU.
+stderr with what the difference does to this model's logits, measured (`tanh_gelu_effect`). llama.cpp's
+decoders with learned positions (gpt2, starcoder) both compute the tanh form.
 
 The tokenizer: byte-level BPE as `tokenizer.ggml.model = gpt2` (tokens in GPT-2's byte alphabet, merges
 in rank order, pre-tokenizer "gpt-2" (GPT-2's regex), special tokens as control tokens, BOS/EOS ids); a
