@@ -125,9 +125,16 @@ def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
 
 @pytest.mark.parametrize("text, size", [
     ("64GB", 64 * 10**9), ("512MiB", 512 * 2**20), ("1.5 TB", 1_500_000_000_000), ("800k", 800_000),
-    ("100", 100), ("2gib", 2 * 2**30), ("3 B", 3), (".5K", 500)])
-def test_a_size_is_parsed_in_decimal_or_binary_units(text, size):
+    ("100", 100), ("2gib", 2 * 2**30), ("3 B", 3), (".5K", 500),
+    pytest.param("9" * 400, int("9" * 400), id="400 nines"),
+    pytest.param("4" + "0" * 398 + ".5k", 4 * 10**401 + 500, id="399 digits.5k")])
+def test_a_size_is_parsed_in_decimal_or_binary_units_exactly(text, size):
     assert memory.parse_size(text) == size
+
+
+def test_a_size_with_more_digits_than_python_converts_is_a_value_error():
+    with pytest.raises(ValueError, match="digits"):
+        memory.parse_size("9" * 5000)
 
 
 @pytest.mark.parametrize("text", ["", "GB", "-1GB", "1e9", "1.5XB", "0", "0.4", "nan", "1 GB 2"])
@@ -138,7 +145,8 @@ def test_a_bad_size_is_refused(text):
 
 @pytest.mark.parametrize("nbytes, text", [
     (812, "812 B"), (20_100_000_000, "20.1 GB"), (3_210_000_000_000, "3.2 TB"), (10**27, "1.0e+27 B"),
-    (999_949, "999.9 kB"), (999_950, "1.0 MB"), (999_999_999, "1.0 GB"), (999_950 * 10**15, "1.0e+21 B")])
+    (999_949, "999.9 kB"), (999_950, "1.0 MB"), (999_999_999, "1.0 GB"), (999_950 * 10**15, "1.0e+21 B"),
+    pytest.param(int("9" * 400), "1.0e+400 B", id="400 nines")])
 def test_a_size_is_written_for_a_reader(nbytes, text):
     assert memory.format_size(nbytes) == text
 

@@ -17,10 +17,12 @@ import contextvars
 import copy
 import ctypes
 import dataclasses
+import decimal
 import math
 import os
 import re
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Any
 
 from . import _checks
@@ -145,6 +147,8 @@ def format_size(nbytes: int) -> str:
     """812 B, 20.1 GB, 3.2 TB (powers of 1000), 4.1e+27 B beyond exabytes."""
     if nbytes < 1000:
         return f"{nbytes} B"
+    if nbytes >= 1000 ** len(_UNITS):  # exactly: an int of bytes may be beyond a float's range (--max-memory)
+        return f"{decimal.Decimal(nbytes):.1e} B"
     exponent = min(int(math.log10(nbytes) // 3), len(_UNITS) - 1)
     if round(nbytes / 1000 ** exponent, 1) >= 1000 and exponent < len(_UNITS) - 1:
         exponent += 1  # 999,950 B rounds to 1000.0 kB: it is 1.0 MB
@@ -154,13 +158,15 @@ def format_size(nbytes: int) -> str:
 
 def parse_size(text: str) -> int:
     """Bytes from a size: 64GB, 1.5 TB, 512MiB, 800k, 1000000 (a bare number is bytes; k, M, G, T, P, E are
-    powers of 1000, Ki, Mi, ... of 1024; the B is optional and the case free). A ValueError otherwise."""
+    powers of 1000, Ki, Mi, ... of 1024; the B is optional and the case free). A ValueError otherwise.
+    The arithmetic is exact: 400 nines are that many bytes, not a float's infinity (more digits than Python
+    converts, 4,300, are a ValueError)."""
     match = _SIZE.fullmatch(text)
     if match is None:
         raise ValueError(f"expected a size such as 64GB or 512MiB, got {text!r}")
     number, prefix, binary = match.groups()
     power = 0 if prefix is None else "kmgtpe".index(prefix.lower()) + 1
-    size = round(float(number) * (1024 if binary else 1000) ** power)
+    size = round(Fraction(number) * (1024 if binary else 1000) ** power)
     if size < 1:
         raise ValueError(f"a size must be at least 1 byte, got {text!r}")
     return size

@@ -6,7 +6,6 @@ import numpy as np
 from plainformer.cli import main
 from plainformer.data import prepared
 from plainformer.data.prepared import prepare_lm_data
-from plainformer.files.run_lock import LOCK_FILE
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:
@@ -74,7 +73,7 @@ def test_a_file_edited_while_it_is_read_is_refused_in_one_line_and_leaves_no_arr
     assert capsys.readouterr().err.splitlines() == [
         f"plainformer: error: {data} changed while it was being read ({size:,} bytes then, "
         f"{data.stat().st_size:,} now); run again once nothing writes to it"]
-    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [LOCK_FILE]
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
     monkeypatch.undo()
     assert main(argv) == 0  # the file as it now is
     stats = json.loads(capsys.readouterr().out)

@@ -565,7 +565,7 @@ def test_a_preparation_killed_midway_is_done_again(tmp_path):
     assert redone.directory == entry
     assert np.array_equal(redone.val_tokens, reference.val_tokens)
     assert np.array_equal(redone.train_tokens, reference.train_tokens)
-    assert sorted(p.name for p in entry.iterdir()) == [".lock", "stats.json", "tokenizer", "train.bin", "val.bin"]
+    assert sorted(p.name for p in entry.iterdir()) == ["stats.json", "tokenizer", "train.bin", "val.bin"]
 
 
 def test_a_large_training_part_trains_the_tokenizer_on_evenly_spread_windows(monkeypatch):

@@ -143,6 +143,17 @@ def test_without_lora_the_whole_gpt_trains_into_a_checkpoint_of_its_own(capsys, 
     assert not torch.equal(model.blocks[0].self_attn.W_q.weight, pf.load_model(base).blocks[0].self_attn.W_q.weight)
 
 
+def test_a_lora_run_as_init_without_lora_r_fine_tunes_its_merged_model_whole(capsys, base, other_text, tmp_path):
+    finetune(capsys, base, other_text, tmp_path / "lora", "--lora-r", "4")
+    merged = pf.unload_lora(pf.load_model(tmp_path / "lora"))
+    metrics = finetune(capsys, tmp_path / "lora", other_text, tmp_path / "whole")
+    assert metrics["trainable_parameters"] == metrics["parameters"] == merged.num_parameters()
+    whole = pf.load_model(tmp_path / "whole")
+    assert not pf.lora_parameters(whole) and whole.state_dict().keys() == merged.state_dict().keys()
+    moved = [name for name, weight in whole.named_parameters() if not torch.equal(weight, merged.get_parameter(name))]
+    assert "blocks.0.ff.W_1.weight" in moved  # frozen in the LoRA run, trained here
+
+
 def test_finetune_picks_the_recipe_of_the_inits_family(capsys, base, other_text, tmp_path):
     finetune(capsys, base, other_text, tmp_path / "ft", "--lora-r", "2")
     assert "preset: gpt-finetune" in (tmp_path / "ft" / "recipe.yaml").read_text()

@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
+from plainformer.files import run_lock as run_lock_module
 from plainformer.files.run_lock import LOCK_FILE, RunDirectoryBusy, run_lock
 
 HOLD = """
@@ -29,11 +31,45 @@ def test_a_second_owner_is_refused_naming_the_first_owners_pid(tmp_path):
     assert isinstance(info.value, OSError)
 
 
-def test_the_lock_is_released_on_leaving_the_block_also_by_an_exception(tmp_path):
+def test_the_lock_is_released_and_its_file_removed_on_leaving_the_block_also_by_an_exception(tmp_path):
     with pytest.raises(KeyError), run_lock(tmp_path):
         raise KeyError("boom")
+    assert list(tmp_path.iterdir()) == []
     with run_lock(tmp_path) as path:
         assert path == tmp_path / LOCK_FILE and path.read_text() == f"{os.getpid()}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_waiter_on_the_file_its_owner_removed_locks_the_new_file_so_one_process_owns_the_directory(
+        tmp_path, monkeypatch):
+    """The waiter's flock returns once the owner has removed the file: it must not own the directory
+    through the removed file while a newcomer owns it through a new one."""
+    waiting, locked, leave = threading.Event(), threading.Event(), threading.Event()
+    real_flock = run_lock_module.fcntl.flock
+
+    def flock(fd, operation):
+        if threading.current_thread().name == "waiter":
+            waiting.set()  # its descriptor is open on the owner's file
+        return real_flock(fd, operation)
+
+    def waiter():
+        with run_lock(tmp_path, wait=True):
+            locked.set()
+            leave.wait(30)
+
+    monkeypatch.setattr(run_lock_module.fcntl, "flock", flock)
+    thread = threading.Thread(target=waiter, name="waiter")
+    with run_lock(tmp_path):
+        thread.start()
+        assert waiting.wait(30)
+    try:
+        assert locked.wait(30)
+        with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"), run_lock(tmp_path):
+            pass
+    finally:
+        leave.set()
+        thread.join()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_kernel_releases_the_lock_of_a_killed_owner(tmp_path):
@@ -49,5 +85,7 @@ def test_the_kernel_releases_the_lock_of_a_killed_owner(tmp_path):
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-    with run_lock(tmp_path) as path:  # nothing left to clean up: the file's pid is simply overwritten
+    assert (tmp_path / LOCK_FILE).exists()  # a killed owner leaves its file: the next one takes it over
+    with run_lock(tmp_path) as path:
         assert path.read_text() == f"{os.getpid()}\n"
+    assert not path.exists()

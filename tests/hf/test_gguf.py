@@ -1,8 +1,8 @@
 """GGUF files proven by the programs that read them: llama.cpp itself (xllamacpp), transformers' GGUF loader
 and the gguf package's reader. The GPTs are a GPT-2-layout and a Llama-layout model with a char and a BPE
-tokenizer, trained here for 150 steps on the bundled corpus (so that greedy decoding is not degenerate),
-a Qwen3-layout one (QK-norm) with the char tokenizer, and the layouts' variants of tests/reference/hf_gpt.py
-with random weights."""
+tokenizer, nanoGPT's (the GPT-2 layout with erf's GELU, no biases) and a Qwen3-layout one (QK-norm) with a
+char tokenizer, trained here for 150 steps on the bundled corpus (so that greedy decoding is not degenerate),
+and the layouts' variants of tests/reference/hf_gpt.py with random weights."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers
 
 import plainformer as pf
-from plainformer.hf.gguf import save_gguf
+from plainformer.hf.gguf import TANH_PROBE_TOKENS, save_gguf, tanh_gelu_effect
 from tests.reference.hf_gpt import TINY, _ours, _randomize
 from tests.reference.llama_cpp import llama_cpp, mean_log_likelihood
 
@@ -30,9 +30,12 @@ LAYOUTS = {
                   tie_weights=False, norm_eps=1e-5),
     "qwen3": dict(pos_encoding="rope", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
                   tie_weights=False, norm_eps=1e-5, qk_norm=True),
+    # nanogpt-cpu's: GPTConfig's defaults, GELU erf's; it goes out as gpt2, which llama.cpp computes with tanh's
+    "nanogpt": dict(pos_encoding="learned", norm="layernorm", activation="gelu", bias=False, tie_weights=True),
 }
 SHAPE = dict(block_size=64, n_layers=2, n_heads=4, d_model=64, d_ff=128, dropout=0.0)
-TRAINED = [(layout, kind) for layout in ("gpt2", "llama") for kind in ("char", "bpe")] + [("qwen3", "char")]
+TRAINED = ([(layout, kind) for layout in ("gpt2", "llama") for kind in ("char", "bpe")]
+           + [("qwen3", "char"), ("nanogpt", "char")])
 PROMPTS = ("KING HENRY:\nWhat", "To be, or not to", "The night is")
 
 
@@ -125,7 +128,8 @@ def test_llama_cpp_greedy_32_tokens_equal_ours(layout, kind, dtype, files, train
 # the mean log-likelihood of 64 held-out tokens moved by 0.9e-4 to 1.7e-3 nats per token (a trained model's
 # mean is -2.2 to -4.4); 0.01 allows six times the largest, and a misplaced tensor moves it by whole nats.
 Q8_TOLERANCE = 0.01
-# llama.cpp's f32 against ours, where only the order of the sums differs: measured up to 5.4e-5.
+# llama.cpp's f32 against ours, where only the order of the sums differs: measured up to 5.4e-5; for nanoGPT's,
+# whose GELU llama.cpp computes in tanh's form, 9.8e-6 (and 8.6e-7 from ours with tanh's form).
 F32_TOLERANCE = 2e-4
 
 
@@ -139,6 +143,48 @@ def test_llama_cpp_mean_log_likelihood_of_held_out_text_at_f32_and_q8_0(layout, 
         with llama_cpp(files[layout, kind, dtype], SHAPE["block_size"]) as runtime:
             theirs = runtime.mean_log_likelihood(ids, model.config.vocab_size)
         assert abs(theirs - ours) <= tolerance, (dtype, theirs, ours)
+
+
+def _with_tanh_gelu(model: pf.GPT) -> pf.GPT:
+    """The GELU (erf) model's weights with GELU's tanh approximation: what llama.cpp computes of its file."""
+    tanh = pf.GPT(model.config.replace(activation="gelu_tanh"))
+    tanh.load_state_dict(model.state_dict())
+    return tanh.eval()
+
+
+def test_a_gelu_model_is_exported_with_one_line_that_measures_what_tanh_does_to_its_logits(trained, tmp_path,
+                                                                                          capfd):
+    model = trained["nanogpt", "char"]
+    save_gguf(model, tmp_path / "model.gguf")
+    (line,) = capfd.readouterr().err.splitlines()
+    found = re.fullmatch(r"gguf: activation='gelu' goes out as llama.cpp's gpt2, which computes GELU's tanh "
+                         rf"approximation \(within 5e-4 of erf's\): on {TANH_PROBE_TOKENS} random tokens it moves "
+                         r"this model's logits by at most (\S+) and their mean loss by (\S+)", line)
+    assert found, line
+    ids = torch.randint(model.config.vocab_size, (1, TANH_PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        erf, tanh = model(ids)[0][0].double(), _with_tanh_gelu(model)(ids)[0][0].double()
+    losses = [F.cross_entropy(z[:-1], ids[0, 1:]).item() for z in (erf, tanh)]
+    expected = ((erf - tanh).abs().max().item(), abs(losses[0] - losses[1]))
+    assert tanh_gelu_effect(model) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert [float(found[1]), float(found[2])] == pytest.approx(expected, rel=0.06)  # as printed, to 2 digits
+
+
+# GELU's two forms differ by 4.7e-4 at most. On this model (2 x 64, 150 steps, held-out loss 2.81) the tanh form
+# moved the logits of 62 held-out windows by at most 3.6e-3 and their loss by 5.5e-5 (on nanogpt-cpu's own 4 x 128
+# after 200 steps: 9.0e-4 and 2.1e-6); the bounds allow about three times and twenty times that.
+TANH_LOGIT_TOLERANCE, TANH_LOSS_TOLERANCE = 1e-2, 1e-3
+
+
+def test_tanh_gelu_moves_a_gelu_models_held_out_loss_by_less_than_1e_3(trained, corpus):
+    model = trained["nanogpt", "char"]
+    ids = torch.tensor(model.tokenizer.encode(corpus[1]))
+    n = SHAPE["block_size"]
+    windows = ids[:len(ids) // n * n].view(-1, n)
+    with torch.no_grad():
+        erf, tanh = (m(windows[:, :-1], windows[:, 1:]) for m in (model, _with_tanh_gelu(model)))
+    assert (erf[0] - tanh[0]).abs().max().item() <= TANH_LOGIT_TOLERANCE
+    assert abs(erf[1].item() - tanh[1].item()) <= TANH_LOSS_TOLERANCE
 
 
 def test_llama_cpp_takes_every_character_of_a_char_vocabulary_alone(tmp_path):
@@ -261,8 +307,8 @@ def _refusal(case: str):
     """(model, keyword arguments of save_gguf) that no GGUF layout here expresses."""
     if case == "dtype":
         return _variant("llama-tied"), {"dtype": "q4_0"}
-    if case == "gelu-erf":
-        return _variant("gpt2", activation="gelu"), {}
+    if case == "relu":
+        return _variant("gpt2", activation="relu"), {}
     if case == "sinusoidal":
         return _variant("gpt2", pos_encoding="sinusoidal"), {}
     if case == "value-residual":
@@ -276,7 +322,7 @@ def _refusal(case: str):
 
 @pytest.mark.parametrize("case, message", [
     ("dtype", "dtype must be one of"),
-    ("gelu-erf", "activation='gelu' has no GGUF layout here: llama.cpp's gpt2 computes GELU's tanh approximation"),
+    ("relu", "activation='relu' has no GGUF layout here: llama.cpp's gpt2 computes GELU's tanh approximation"),
     ("sinusoidal", "pos_encoding='sinusoidal' has no Hugging Face layout"),
     ("value-residual", "value_residual=True has no Hugging Face or GGUF layout here"),
     ("wordpiece", "a wordpiece tokenizer has no GGUF form here"),

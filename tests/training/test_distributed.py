@@ -31,6 +31,7 @@ from plainformer.checkpoint.format import load_checkpoint
 from plainformer.data.lm import LMBatchSource
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.nn.moe import MoEFeedForward
+from plainformer.training import precision
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -38,6 +39,7 @@ from plainformer.training.distributed import (
     resolve_parallel,
     torchrun_command,
 )
+from plainformer.training.precision import resolve_dtype
 from plainformer.training.trainer import Trainer
 
 WORLD, B, STEPS, VOCAB, BLOCK = 2, 3, 4, 23, 8
@@ -108,6 +110,33 @@ def _two_process_worker(rank: int, port: int, root: str) -> None:
                 save_file({**{k: v.clone() for k, v in full.items()}, "next_draw": next_draw},
                           out / f"rank{rank}.safetensors")
             torch.distributed.barrier()
+        _choose_dtype_auto(rank, Path(root) / "auto")
+
+
+# bf16 / fp32 matmul rates each rank would measure alone: rank 0 bf16 (at least MIN_BF16_SPEEDUP), rank 1 fp32
+BF16_RATES = {0: 1.9, 1: 0.5}
+
+
+def _measuring(patch: pytest.MonkeyPatch, rank: int) -> None:
+    """precision's probe on a CPU without AMX that measures bf16 at BF16_RATES[rank] times fp32's rate
+    (the measurement kept until `precision.cpu_bf16_speedup.cache_clear()`)."""
+    patch.setattr(precision, "cpu_has_amx", lambda: False)
+    patch.setattr(precision, "matmul_rate",
+                  lambda dtype, *args, **kwargs: BF16_RATES[rank] if dtype == torch.bfloat16 else 1.0)
+    precision.cpu_bf16_speedup.cache_clear()
+
+
+def _choose_dtype_auto(rank: int, out: Path) -> None:
+    """A one-step run with dtype "auto" of a model wide enough for bf16 on a CPU (d_model 128), its
+    rank's probe as BF16_RATES says; writes this rank's (dtype, why) to out/dtype{rank}.json."""
+    with pytest.MonkeyPatch.context() as patch:
+        _measuring(patch, rank)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=1, n_heads=2, d_model=128, d_ff=128))
+        trainer = Trainer(model, _source(), _config(dtype="auto", max_steps=1, eval_interval=0), out, progress=False)
+        trainer.fit()
+    precision.cpu_bf16_speedup.cache_clear()
+    (out / f"dtype{rank}.json").write_text(json.dumps([trainer.config.dtype, trainer._dtype_reason]))
 
 
 def _free_port() -> int:
@@ -222,9 +251,23 @@ def test_checkpoint_of_two_processes_holds_every_ranks_rng_state(runs):
         assert torch.equal(torch.rand(3), draws[rank]), rank
 
 
+def test_dtype_auto_is_rank_zeros_choice_on_every_rank_and_the_one_process_choice(runs, monkeypatch):
+    try:
+        _measuring(monkeypatch, 0)
+        alone = list(resolve_dtype("auto", "cpu", 128))
+        _measuring(monkeypatch, 1)
+        assert resolve_dtype("auto", "cpu", 128)[0] == "float32"  # what rank 1 would choose alone
+    finally:
+        precision.cpu_bf16_speedup.cache_clear()
+    assert alone == ["bfloat16", "no AMX, but bf16 matmuls measured 1.9x fp32's on this CPU"]
+    for rank in range(WORLD):
+        assert json.loads((runs / "auto" / f"dtype{rank}.json").read_text()) == [alone[0], alone[1] + " by rank 0"]
+    assert load_checkpoint(runs / "auto" / "last").train_config["dtype"] == "bfloat16"
+
+
 def test_only_rank_zero_writes_files(runs):
     assert sorted(p.name for p in (runs / "ddp").iterdir()) == [
-        ".lock", "best", "last", "loss.png", "metrics.jsonl", "rank0.safetensors", "rank1.safetensors"]
+        "best", "last", "loss.png", "metrics.jsonl", "rank0.safetensors", "rank1.safetensors"]
 
 
 # ----------------------------------------------------------------------------- faults
@@ -317,7 +360,9 @@ def test_train_nproc_starts_torchrun_and_only_rank_zero_prints(tmp_path):
     assert state["world_size"] == 2 and state["data_position"] == 2
 
 
-def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+def _start_training(tmp_path: Path) -> subprocess.Popen:
+    """`plainformer train` of a tiny model on 2 ranks for 100,000 steps, through the launcher `--nproc` runs,
+    once its first step is logged; its output in tmp_path/stdout and tmp_path/stderr, its run in tmp_path/run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "PLAINFORMER_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
@@ -331,9 +376,9 @@ def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
     code = f"from plainformer.training.distributed import run_torchrun; raise SystemExit(run_torchrun(2, {argv!r}))"
     # Its own process group stands for the terminal's foreground group that Ctrl-C signals. Its output goes
     # to files, not pipes: nobody reads a pipe while waiting, and a full one would stop the ranks.
-    stdout_file, stderr_file = (open(tmp_path / name, "w+") for name in ("stdout", "stderr"))
-    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
-                                stdout=stdout_file, stderr=stderr_file, text=True)
+    with open(tmp_path / "stdout", "w") as stdout_file, open(tmp_path / "stderr", "w") as stderr_file:
+        launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                                    stdout=stdout_file, stderr=stderr_file, text=True)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
@@ -342,15 +387,57 @@ def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
                             f"{(tmp_path / 'stderr').read_text()[-3000:]}")
             assert time.monotonic() < deadline, "training did not start within 180 s"
             time.sleep(0.5)
+    except BaseException:
+        _stop(launcher)
+        raise
+    return launcher
+
+
+def _stop(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def _rank_pid(tmp_path: Path, rank: int) -> int:
+    """The pid of the rank `rank` of `_start_training(tmp_path)`, found by its environment."""
+    marker = f"PLAINFORMER_CACHE={tmp_path / 'cache'}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # not a process, or not ours
+            continue
+        if marker in environ and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def test_ctrl_c_on_the_launcher_saves_last_once_and_exits_130(tmp_path):
+    launcher = _start_training(tmp_path)
+    try:
         os.killpg(launcher.pid, signal.SIGINT)
         launcher.wait(timeout=60)
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        stdout_file.close()
-        stderr_file.close()
+        _stop(launcher)
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert launcher.returncode == 130, stderr[-3000:]
     report = json.loads(stdout.splitlines()[-1])
+    out = tmp_path / "run"
     assert report["interrupted"] and load_checkpoint(out / "last").trainer_state["step"] == report["step"]
     assert [p.name for p in out.iterdir() if "last" in p.name] == ["last"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_is_named_in_one_line_by_the_survivor_which_leaves_no_lock(tmp_path):
+    launcher = _start_training(tmp_path)
+    try:
+        os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        _stop(launcher)
+    stderr = (tmp_path / "stderr").read_text()
+    assert launcher.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-2:] == [
+        "plainformer: error: rank 1 of the 2 stopped (its process has ended), so rank 0 stopped too",  # rank 0's
+        "plainformer: error: rank 1 failed (signal SIGKILL); its own output is above"]  # the launcher's
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl", "recipe.yaml"]

@@ -73,6 +73,18 @@ def test_a_distributed_launch_does_not_measure_and_trains_in_float32_without_amx
     assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")
 
 
+@pytest.mark.parametrize("shared, expected", [
+    (1.9, ("bfloat16", "no AMX, but bf16 matmuls measured 1.9x fp32's on this CPU by rank 0")),
+    (0.5, ("float32", "no AMX on this CPU; bf16 matmuls measured 0.50x fp32's by rank 0"))])
+def test_a_distributed_launch_takes_rank_zeros_measurement_where_it_is_shared(amx, monkeypatch, shared, expected):
+    amx(False, 1.0)  # what this process would measure itself
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with precision.shared_bf16_speedup(shared):
+        assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("auto", "cpu")[1] == "no AMX on this CPU; bf16 is not measured in a distributed launch"
+
+
 def test_auto_is_bfloat16_on_a_cpu_with_amx(amx):
     amx(True)
     assert resolve_dtype("auto", "cpu") == ("bfloat16", "AMX on this CPU")

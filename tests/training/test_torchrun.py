@@ -32,6 +32,26 @@ def test_a_failed_rank_is_reported_by_its_status_and_at_most_one_line(monkeypatc
     assert capsys.readouterr().err.splitlines() == ([] if line is None else [line])
 
 
+@pytest.mark.parametrize("exitcodes, status, line", [
+    # rank 0 said it lost rank 1 (its exit may be seen first): rank 1's end is the cause
+    ((2, -9, -15), 1, "plainformer: error: rank 1 failed (signal SIGKILL); its own output is above"),
+    # rank 1 printed a user error; the agent stopped the others with SIGTERM (the default, or the ranks' exit)
+    ((-15, 2, 143), 2, None),
+    ((-15, -15, -15), 1, "plainformer: error: rank 0 failed (signal SIGTERM); its own output is above"),
+])
+def test_the_rank_reported_is_the_one_whose_failure_ended_the_others(monkeypatch, capsys, exitcodes, status, line):
+    def run(args):
+        failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="<none>")
+                    for rank, code in enumerate(exitcodes)}
+        for rank, failure in failures.items():
+            failure.timestamp = 100 + rank  # in rank order: the consequences may be seen first
+        raise ChildFailedError("plainformer", failures)
+
+    monkeypatch.setattr(torchrun, "run", run)
+    assert torchrun.main(["--standalone", "--nproc-per-node=3", "-m", "plainformer"]) == status
+    assert capsys.readouterr().err.splitlines() == ([] if line is None else [line])
+
+
 def test_ctrl_c_exits_128_plus_the_signal(monkeypatch, capsys):
     def interrupted(args):
         raise SignalException("interrupted", signal.SIGINT)

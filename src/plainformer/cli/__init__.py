@@ -39,7 +39,7 @@ from ..generation.sampling import SEED_RANGE
 from ..launch import is_main_process, launch_from_env, log
 from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
 from ..models.saved import SavedModel
-from ..training.distributed import run_torchrun
+from ..training.distributed import RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
 COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "search", "export", "attention", "prepare", "serve")
@@ -247,7 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if not _is_user_error(error):
             raise
-        log(f"plainformer: error: {error}{_memory_hint(args, error)}")
+        line = f"plainformer: error: {error}{_memory_hint(args, error)}"
+        if isinstance(error, RankLost) and error.reporting:  # rank 0 may be the rank lost
+            print(line, file=sys.stderr, flush=True)
+        else:
+            log(line)
         return 2
     product = getattr(args, "product", False)
     emit_metrics(metrics, sys.stderr if product and not args.json else sys.stdout)

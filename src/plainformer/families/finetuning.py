@@ -69,8 +69,9 @@ def lora_config(options: Mapping[str, Any], family: Family) -> LoRAConfig | None
 def starting_model(run: Run, **changes: Any) -> tuple[SavedModel, dict[str, Any] | None]:
     """The model a fine-tuning run trains (with `.tokenizer`) and its adapter record (None when the run
     trains the whole model): --init's model with the run's model overrides and `changes`, LoRA layers
-    added when the run has a LoRA. Resumed, the model has the checkpoint's shape (the trainer loads its
-    weights), on the base its adapter names."""
+    added when the run has a LoRA; without one, every weight trains, also those of a LoRA run's model
+    (merged), which its adapter kept frozen. Resumed, the model has the checkpoint's shape (the trainer
+    loads its weights), on the base its adapter names."""
     family, checkpoint = run.family, run.checkpoint
     if checkpoint is not None:
         if checkpoint.adapter is not None:
@@ -83,7 +84,7 @@ def starting_model(run: Run, **changes: Any) -> tuple[SavedModel, dict[str, Any]
     model = _from_base(family, directory, {**run.model_overrides, **changes})
     lora = lora_config(run.options, family)
     if lora is None:
-        return model, None
+        return model.requires_grad_(True), None
     try:
         add_lora(model, **lora.to_dict())
     except ValueError as error:

@@ -2,8 +2,11 @@
 The same lock, waited for instead of refused, serialises the processes that fill one cache entry.
 
 The kernel drops the lock when its file descriptor closes, so it is released on every exit path of
-the owner, including `kill -9`, and never has to be cleaned up. The file itself stays: deleting it
-would let a second process lock a fresh file while a third still holds the old one.
+the owner, including `kill -9`. An owner that leaves through Python (a return, an exception, a signal
+turned into one) also removes the file, while it still holds the lock; a process that was waiting on
+that file then holds a lock on a file no longer at the path, sees so, and locks the path's new file
+instead, so that two processes never own the directory at once. The file of a killed owner stays, and
+the next owner takes it over.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class RunDirectoryBusy(OSError):
 
 @contextlib.contextmanager
 def run_lock(directory: str | os.PathLike, *, wait: bool = False) -> Iterator[Path]:
-    """Own `directory` (created if missing) for the duration of the block.
+    """Own `directory` (created if missing) for the duration of the block; the lock file is gone after it.
 
     Raises RunDirectoryBusy, naming the owner's pid, when another process holds it; with `wait`,
     blocks until the owner lets go instead.
@@ -34,18 +37,46 @@ def run_lock(directory: str | os.PathLike, *, wait: bool = False) -> Iterator[Pa
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _lock(path, wait)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirectoryBusy(f"{directory} is in use by another run (pid {_owner(fd)}); wait for "
-                                   "it to finish or stop it, or choose another output directory") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield path
     finally:
-        os.close(fd)  # releases the lock
+        try:
+            if _is_at(fd, path):  # not when something else removed it (and maybe put another there)
+                path.unlink()
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _lock(path: Path, wait: bool) -> int:
+    """A descriptor of the file at `path` (created if missing) that holds its exclusive lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _owner(fd)
+            os.close(fd)
+            raise RunDirectoryBusy(f"{path.parent} is in use by another run (pid {owner}); wait for "
+                                   "it to finish or stop it, or choose another output directory") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is_at(fd, path):
+            return fd
+        os.close(fd)  # its owner removed it before letting go: the lock to take is the path's new file
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the one at `path` (not removed, nor replaced)."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _owner(fd: int) -> str:

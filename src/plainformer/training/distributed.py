@@ -21,6 +21,11 @@ SUM / W (gloo's AVG reduction has been reported to sum: pytorch issue 162338).
 
 Checkpoints keep the single-process format: the full state dicts gathered to rank 0, which alone
 writes them, plus every rank's RNG state.
+
+A rank that ends before the others (killed, crashed) fails their next collective; within
+`process_group` that failure becomes `RankLost`, one line naming the ranks whose processes ended.
+torchrun's agent stops the surviving ranks with SIGTERM, which there raises SystemExit, so that they
+leave through their `finally`s (the run lock's file removed, a half-written checkpoint cleaned up).
 """
 
 from __future__ import annotations
@@ -29,23 +34,44 @@ import contextlib
 import datetime
 import os
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
+from ..errors import UserError
 from ..launch import Launch, current_launch, launch_from_env
 from ..nn.dtypes import at_least_float32
 from .config import PARALLEL
 from .optim import MuonWithAdamW
 
+T = TypeVar("T")
+
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a peer before failing
+#: Seconds a rank whose collective failed waits for the peer that caused it to be seen ended: its sockets
+#: close as the kernel tears it down, a moment before it becomes a zombie.
+LOST_RANK_PATIENCE_S = 2.0
+
+
+class RankLost(UserError):
+    """Ranks of the launch ended (killed, crashed) while this one still needed them: what `process_group`
+    raises on the others in place of the failed collective's error. `reporting`: this is the lowest rank
+    still running, the one that says so."""
+
+    def __init__(self, lost: Sequence[int], world_size: int, rank: int, reporting: bool):
+        ranks = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
+        its = "its process has" if len(lost) == 1 else "their processes have"
+        super().__init__(f"{ranks} of the {world_size} stopped ({its} ended), so rank {rank} stopped too")
+        self.lost, self.reporting = list(lost), reporting
 
 
 def _timeout_s() -> float:
@@ -69,6 +95,10 @@ def process_group(timeout_s: float | None = None) -> Iterator[Launch]:
     tensors, NCCL for CUDA tensors with this process on cuda:LOCAL_RANK — and destroys it on every way
     out of the block (return, exception, Ctrl-C). A collective that waits longer than `timeout_s`
     (default $PLAINFORMER_DIST_TIMEOUT, else 600 s) for a peer, a rank that died, fails instead of hanging.
+
+    An error that leaves the block once another rank's process on this machine has ended becomes
+    `RankLost` naming it (after that, this process ignores SIGTERM: it is ending). Within the block,
+    SIGTERM raises SystemExit(128 + SIGTERM) (see the module docstring).
     """
     launch = launch_from_env()
     if launch.world_size == 1 or dist.is_initialized():
@@ -82,9 +112,90 @@ def process_group(timeout_s: float | None = None) -> Iterator[Launch]:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     try:
-        yield launch
+        processes: list[Any] = [None] * launch.world_size
+        dist.all_gather_object(processes, _this_process())
+        with _sigterm_exits():
+            try:
+                yield launch
+            except BaseException as error:
+                lost = _lost_ranks(processes, launch.rank, error)
+                if not lost:
+                    raise
+                reporting = min(set(range(launch.world_size)) - set(lost)) == launch.rank
+                raise RankLost(lost, launch.world_size, launch.rank, reporting) from error
     finally:
         dist.destroy_process_group()
+
+
+def _this_process() -> tuple[str, int]:
+    """(this machine, this process's pid): the machine is its host name and its pid namespace, in which
+    the pid means this process."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()} {namespace}", os.getpid()
+
+
+def _lost_ranks(processes: Sequence[tuple[str, int]], rank: int, error: BaseException) -> list[int]:
+    """The ranks, other than `rank`, whose processes on this machine have ended, when `error`, which left
+    the process group's block, is what a lost rank causes: a collective's failure (a RuntimeError) or the
+    agent's SIGTERM (SystemExit); waits up to LOST_RANK_PATIENCE_S for one to be seen ended. Any other
+    error is this rank's own (a user error every rank raises, Ctrl-C): none. While looking, SIGTERM is
+    ignored; it stays so when ranks were lost."""
+    if not isinstance(error, (RuntimeError, SystemExit)):
+        return []
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if _in_main_thread() else None
+    here = _this_process()[0]
+    deadline = time.monotonic() + LOST_RANK_PATIENCE_S
+    while True:
+        lost = [r for r, (machine, pid) in enumerate(processes)
+                if r != rank and machine == here and _has_ended(pid)]
+        if lost or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if previous is not None and not lost:
+        signal.signal(signal.SIGTERM, previous)
+    return lost
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether process `pid` of this machine has ended (a zombie has: only its exit status is left)."""
+    if not os.path.exists("/proc/self/stat"):  # no /proc: ask the kernel (a zombie counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # the state follows the command name, which is in parentheses
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Within (in the main thread, where Python runs signal handlers): SIGTERM raises SystemExit(128 + SIGTERM)."""
+    if not _in_main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is stop:  # not once a lost rank made this process ignore it
+            signal.signal(signal.SIGTERM, previous)
 
 
 def resolve_parallel(parallel: str, world_size: int) -> str:
@@ -274,6 +385,15 @@ class Distributed:
                                     for group in state["param_groups"]]}
         set_optimizer_state_dict(self.model, _torch_optimizers(optimizer), by_name,
                                  options=StateDictOptions(full_state_dict=True))
+
+    def from_main(self, compute: Callable[[], T]) -> T:
+        """compute() on rank 0, its value on every rank (any picklable value): what rank 0 alone decides,
+        every rank calling this at the same point."""
+        if self.world_size == 1:
+            return compute()
+        value = [compute() if self.is_main else None]
+        dist.broadcast_object_list(value, src=0)
+        return cast(T, value[0])
 
     def gather(self, value: Any) -> list[Any]:
         """[value of rank 0, ..., value of rank W−1] on every rank (any picklable value)."""

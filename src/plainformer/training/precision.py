@@ -6,9 +6,11 @@ bf16 autocast pays only when the hardware multiplies bf16 faster than fp32. On a
 (`cpu_bf16_speedup`, once per process, ~0.2 s): AVX-512-BF16 ran at about half the fp32 rate on a 2-core
 Xeon (issue 12: 193 vs 386 GFLOP/s) but at 1.9x it on a 2-core AMD EPYC (Zen 4: 367 vs 197 at 256³),
 and an AVX2-only CPU emulates bf16 at ~1 GFLOP/s. bf16 is taken where it measures at least
-MIN_BF16_SPEEDUP times fp32's rate, in one process; the processes of a distributed launch take float32
-(each would measure its own, and the replicas must train alike). On CUDA it means a device with native
-bf16 (compute capability 8.0+), not the emulation torch offers on older ones.
+MIN_BF16_SPEEDUP times fp32's rate. In a distributed launch rank 0 measures and every rank takes its
+measurement (`shared_bf16_speedup`, which the Trainer enters), so that the replicas train alike and in
+the dtype one process would; a process of a launch without it takes float32 (each would measure its
+own). On CUDA it means a device with native bf16 (compute capability 8.0+), not the emulation torch
+offers on older ones.
 
 On a CPU it also takes matmuls wide enough to outweigh the casts autocast adds around each of them: a
 model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even with AMX. Measured on a
@@ -18,8 +20,11 @@ model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -30,6 +35,9 @@ MIN_BF16_WIDTH = 128
 #: Without AMX, bf16 autocast is taken where bf16 matmuls measure at least this many times the fp32 rate: the
 #: casts it adds eat part of the gain (nanogpt-cpu's step, d_model 128, on the 1.9x AMD EPYC: 0.78-0.90x fp32's).
 MIN_BF16_SPEEDUP = 1.5
+
+_shared_speedup: contextvars.ContextVar[float | None] = contextvars.ContextVar("plainformer_bf16_speedup",
+                                                                               default=None)
 
 
 def cpu_has_amx() -> bool:
@@ -43,6 +51,23 @@ def cpu_bf16_speedup() -> float:
     """bf16 / fp32 throughput of this CPU's 256 x 256 matmuls, measured once per process (256: an
     emulated bf16 at ~1 GFLOP/s takes milliseconds per product, not seconds)."""
     return matmul_rate(torch.bfloat16, size=256) / matmul_rate(torch.float32, size=256)
+
+
+def bf16_measurement(device: torch.device | str) -> float | None:
+    """What `native_bf16` measures on `device`: this CPU's `cpu_bf16_speedup()` where it has no AMX; None
+    where nothing is measured (AMX, CUDA)."""
+    return cpu_bf16_speedup() if torch.device(device).type == "cpu" and not cpu_has_amx() else None
+
+
+@contextlib.contextmanager
+def shared_bf16_speedup(speedup: float) -> Iterator[None]:
+    """Within: a process of a distributed launch takes `speedup`, rank 0's `cpu_bf16_speedup()`, as this
+    CPU's, where it would otherwise not measure (`native_bf16`)."""
+    token = _shared_speedup.set(speedup)
+    try:
+        yield
+    finally:
+        _shared_speedup.reset(token)
 
 
 def cuda_has_bf16(device: torch.device) -> bool:
@@ -63,11 +88,14 @@ def native_bf16(device: torch.device | str) -> tuple[bool, str]:
         if cpu_has_amx():
             return True, "AMX on this CPU"
         if current_launch().world_size > 1:  # each process would measure its own: they must train alike
-            return False, "no AMX on this CPU; bf16 is not measured in a distributed launch"
-        speedup = cpu_bf16_speedup()
+            speedup, by = _shared_speedup.get(), " by rank 0"
+            if speedup is None:
+                return False, "no AMX on this CPU; bf16 is not measured in a distributed launch"
+        else:
+            speedup, by = cpu_bf16_speedup(), ""
         if speedup >= MIN_BF16_SPEEDUP:
-            return True, f"no AMX, but bf16 matmuls measured {speedup:.1f}x fp32's on this CPU"
-        return False, f"no AMX on this CPU; bf16 matmuls measured {speedup:.2f}x fp32's"
+            return True, f"no AMX, but bf16 matmuls measured {speedup:.1f}x fp32's on this CPU{by}"
+        return False, f"no AMX on this CPU; bf16 matmuls measured {speedup:.2f}x fp32's{by}"
     if device.type == "cuda":
         return ((True, "native bf16 on this CUDA device") if cuda_has_bf16(device)
                 else (False, "no native bf16 on this CUDA device"))

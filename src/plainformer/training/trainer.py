@@ -43,7 +43,13 @@ from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .planner import StepPlanner
 from .plots import plot_loss_curve
-from .precision import model_width, resolve_dtype, slow_bf16_warning
+from .precision import (
+    bf16_measurement,
+    model_width,
+    resolve_dtype,
+    shared_bf16_speedup,
+    slow_bf16_warning,
+)
 from .state import TrainerState
 from .tensorboard import tensorboard_log
 
@@ -149,6 +155,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         # Losses are summed in float32, or in float64 for a float64 model (see nn/dtypes.py).
         self._loss_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        self._share_bf16_measurement(config)
         # From here on (autocast, checkpoints, metrics) the config names the dtype actually used.
         dtype, self._dtype_reason = resolve_dtype(config.dtype, self.device, model_width(model))
         self._dtype_warning = slow_bf16_warning(dtype, self.device) if self.dist.is_main else None
@@ -172,6 +179,17 @@ class Trainer:
             resume = load_checkpoint(self.out_dir / "last")
         self._resume_rng_from = self._restore(resume) if isinstance(resume, Checkpoint) else None
         self._kernels_log = self._choose_kernels(resumed=self._resume_rng_from is not None)
+
+    def _share_bf16_measurement(self, config: TrainConfig) -> None:
+        """Under torchrun on a CPU without AMX, where a choice depends on how fast this CPU multiplies in
+        bf16 (dtype "auto", the Newton–Schulz dtype of Muon, the warning of a slow bf16): rank 0 measures
+        (`cpu_bf16_speedup`) and every rank takes its measurement until `fit` ends, so that the replicas
+        choose alike, and as one process would."""
+        if self.dist.world_size == 1 or (config.dtype == "float32" and config.optimizer != "muon"):
+            return
+        speedup = self.dist.from_main(lambda: bf16_measurement(self.device))
+        if speedup is not None:
+            self._group.enter_context(shared_bf16_speedup(speedup))
 
     def _choose_kernels(self, *, resumed: bool) -> str | None:
         """The kernels of the linear layers' products: aten's where there is no choice, a resumed run's
