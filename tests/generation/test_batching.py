@@ -173,3 +173,13 @@ def test_submit_refuses_what_cannot_fit_and_a_full_queue(model):
     batcher.submit(Job([1], 1, Collector()))
     with pytest.raises(QueueFull, match="--max-queue 1"):
         batcher.submit(Job([1], 1, Collector()))
+
+
+def test_a_cancelled_waiting_job_frees_its_queue_place_at_once(model):
+    batcher = ContinuousBatcher(model.decoder(), max_rows=1, max_queue=1)  # not started: jobs wait
+    leaving = Job([1], 1, Collector())
+    batcher.submit(leaving)
+    batcher.cancel(leaving)
+    assert batcher.queued == 0 and leaving.cancelled
+    batcher.submit(Job([1], 1, Collector()))  # the place it held
+    assert batcher.queued == 1
