@@ -281,3 +281,13 @@ def test_a_row_without_a_distribution_fails_its_own_job_alone(model):
     assert [type(e) for e in at_prefill.events] == [Failed]
     assert [type(e) for e in at_step.events] == [Token, Failed] and at_step.tokens() == [decoder.POISON]
     assert "NaN or +inf" in at_step.events[-1].message
+
+
+def test_a_cancelled_waiting_job_frees_its_queue_place_at_once(model):
+    batcher = ContinuousBatcher(model.decoder(), max_rows=1, max_queue=1)  # not started: jobs wait
+    leaving = Job([1], 1, Collector())
+    batcher.submit(leaving)
+    batcher.cancel(leaving)
+    assert batcher.queued == 0 and leaving.cancelled
+    batcher.submit(Job([1], 1, Collector()))  # the place it held
+    assert batcher.queued == 1

@@ -1,13 +1,17 @@
 """`plainformer serve` driven by the official `openai` client, as a user runs it: completions and chat
 equal to what `GPT.generate` and `plainformer sample` give, streams that concatenate to the whole text,
 echoed prompts scored by the model's own log-softmax, 16 concurrent clients each answered as if alone
-(joining a running batch), and every bad request answered in OpenAI's error shape."""
+(joining a running batch), and every bad request answered in OpenAI's error shape; /health answers within
+a second whatever a request holds, and a client that leaves (mid-body, waiting, decoding) frees its
+handler, its queue place and its row, with nothing in the log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
@@ -15,12 +19,16 @@ import openai
 import pytest
 import torch
 
+import plainformer as pf
 from plainformer.cli import main
+from plainformer.data.tokenizers import CharTokenizer
 from plainformer.families.family import checkpoint_dir
 from plainformer.families.gpt import load_language_model
 from plainformer.inference import for_decoding
+from plainformer.serve.app import create_app
+from plainformer.serve.service import Service
 
-from .conftest import API_KEY
+from .conftest import API_KEY, Server, read_response
 
 MODEL = "run"
 
@@ -303,3 +311,141 @@ def test_a_missing_or_wrong_api_key_is_a_401(server, key):
 
 def test_an_unknown_route_is_a_404_in_openai_shape(server):
     assert_error(httpx.get(f"{server.url}/engines", timeout=5), 404, None)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("size", [5 << 20, 40 << 20])
+def test_a_body_over_the_limit_is_answered_413_not_reset(server, size, chunked):
+    body = json.dumps({"model": MODEL, "prompt": "T" * size}).encode()
+    parts = [body[i:i + (1 << 16)] for i in range(0, len(body), 1 << 16)]
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
+    with server.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\n%s\r\n\r\n" % (API_KEY.encode(), framing))
+        for part in parts:  # a reset would break this before the answer is read
+            sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+        sock.sendall(b"0\r\n\r\n" if chunked else b"")
+        status, answer = read_response(sock)
+        assert status == 413 and json.loads(answer)["error"]["code"] == "request_too_large"
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the connection serves the next request
+        assert read_response(sock)[0] == 200
+
+
+def test_head_health_answers_200(server):
+    response = httpx.head(f"{server.root}/health", timeout=5)
+    assert response.status_code == 200 and response.content == b""
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_stream_with_max_tokens_0_sends_its_choice_with_finish_reason_length(client, echo):
+    whole = client.completions.create(model=MODEL, prompt="To be", max_tokens=0, echo=echo)
+    chunks = list(client.completions.create(model=MODEL, prompt="To be", max_tokens=0, echo=echo, stream=True))
+    choices = [choice for chunk in chunks for choice in chunk.choices]
+    assert "".join(choice.text for choice in choices) == whole.choices[0].text == ("To be" if echo else "")
+    assert [choice.finish_reason for choice in choices][-1] == whole.choices[0].finish_reason == "length"
+
+
+def test_a_chat_stream_with_max_tokens_0_ends_with_finish_reason_length(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "To be"}],
+                                                 max_tokens=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt", [[[1]] * 65, ["a"] * 100_000])
+def test_more_prompts_than_the_queue_holds_is_a_400_naming_prompt(client, prompt):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert raised.value.body["param"] == "prompt" and "at most 64" in raised.value.body["message"]
+
+
+def test_health_answers_within_a_second_while_half_a_million_prompts_are_read(server):
+    answers = []
+    body = json.dumps({"model": MODEL, "prompt": [[1]] * 500_000, "max_tokens": 1}).encode()  # 2.5 MB
+    sender = threading.Thread(target=lambda: answers.append(post(server, "/completions", body)))
+    sender.start()
+    waits = []
+    while sender.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.root}/health", timeout=5).status_code == 200
+        waits.append(time.monotonic() - start)
+    sender.join()
+    assert max(waits) < 1
+    assert_error(answers[0], 400, "prompt")
+
+
+def test_a_response_past_max_response_tokens_is_a_400_naming_n(client):
+    prompts = ["To be, or not to be, that is the question"] * 64
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=prompts, n=16, echo=True, logprobs=5, max_tokens=16)
+    assert raised.value.body["param"] == "n" and "--max-response-tokens" in raised.value.body["message"]
+
+
+# ------------------------------------------------------------------------------ clients that leave
+
+
+@pytest.fixture(scope="module")
+def slow(slow_run) -> Iterator[Server]:
+    """One row and one queue place, over a model whose row decodes for tens of seconds."""
+    running = Server("--ckpt", str(slow_run), "--max-batch", "1", "--max-queue", "1")
+    yield running
+    code, out, err = running.stop()
+    assert code == 0 and out == "" and err.splitlines()[-1].startswith('{"decoding_steps"'), err
+
+
+def raw_completion(sock, stream: bool = False) -> None:
+    body = json.dumps({"model": "slow", "prompt": "T", "max_tokens": 30000, "stream": stream}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_a_client_that_hangs_up_while_decoding_frees_its_handler_and_its_row(slow):
+    with slow.connect() as sock:
+        raw_completion(sock)
+        assert slow.wait_for(lambda health: health["active_rows"] == 1)["requests"] == 1
+    health = slow.wait_for(lambda health: health["requests"] == 0 and health["active_rows"] == 0, timeout=5)
+    assert (health["requests"], health["active_rows"]) == (0, 0)
+
+
+def test_a_queued_client_that_leaves_frees_its_place_for_the_next(slow):
+    client = openai.OpenAI(base_url=slow.url, api_key="none", max_retries=0)
+    holding = client.completions.create(model="slow", prompt="T", max_tokens=30000, stream=True)
+    next(iter(holding))  # it holds the one row
+    with slow.connect() as sock:
+        raw_completion(sock)
+        assert slow.wait_for(lambda health: health["queued"] == 1)["queued"] == 1  # the one place in the queue
+    assert slow.wait_for(lambda health: health["queued"] == 0, timeout=5)["queued"] == 0
+    waiting = client.completions.create(model="slow", prompt="T", max_tokens=3, stream=True)  # queued, not a 429
+    assert slow.health()["queued"] == 1
+    holding.close()
+    assert [chunk.choices[0].finish_reason for chunk in waiting][-1] == "length"
+    assert slow.wait_for(lambda health: health["requests"] == 0)["requests"] == 0
+
+
+def test_a_client_that_leaves_mid_body_logs_nothing(slow):
+    logged = len(slow.log())
+    with slow.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+        assert slow.wait_for(lambda health: health["requests"] == 1)["requests"] == 1
+    assert slow.wait_for(lambda health: health["requests"] == 0)["requests"] == 0
+    assert slow.log()[logged:] == ""
+
+
+def test_a_bug_is_a_500_with_its_traceback_logged_once(capsys):
+    tokenizer = CharTokenizer("abc")
+    model = pf.GPT(pf.GPTConfig(vocab_size=3, block_size=8, n_layers=1, n_heads=1, d_model=8, d_ff=8)).eval()
+    model.tokenizer = tokenizer
+    service = Service(model, "tiny")
+
+    def broken(prompt, param):
+        raise RuntimeError("a bug")
+    service.encode = broken  # type: ignore[method-assign]
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/v1/completions", json={"model": "tiny", "prompt": "ab"})
+
+    response = asyncio.run(ask())
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "RuntimeError: a bug" in err

@@ -1,37 +1,180 @@
-"""`plainformer serve` as a process: SIGTERM or Ctrl-C while a request decodes is a clean exit 0 within
-seconds; a port in use, a model that is not there, or a missing extra are one line and status 2."""
+"""`plainformer serve` as a process: a stop (SIGTERM, or Ctrl-C twice) ends every open stream with an error
+event and [DONE] and exits 0 within seconds; connections that stay silent, or send half a request, are
+timed out, and one past --max-connections is refused with a 503; the open-file limit is raised to its hard
+limit, and accept() failing for want of files is logged once with a count; a port in use, a model that
+is not there, or a missing extra are one line and status 2."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
+import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 
 from plainformer.cli import main
 
-from .conftest import Server
+from .conftest import Server, http_exchange, read_all
+
+SLOW = "slow"  # the slow run's model id
+TIMEOUT = 1  # the limited server's --timeout-headers, --timeout-body and --timeout-keep-alive
+MAX_CONNECTIONS = 4
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_a_request_decodes_stops_it_cleanly(run, stop):
-    server = Server("--ckpt", str(run))
-    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
-    stream = client.completions.create(model="run", prompt="T", max_tokens=127, stream=True)
-    next(iter(stream))
-    threading.Thread(target=lambda: list(stream), daemon=True).start()  # keep reading what remains
+def open_stream(server: Server, lines: list[str]) -> threading.Thread:
+    """A stream of the slow model read line by line into `lines` on a thread of its own."""
+    def read() -> None:
+        body = {"model": SLOW, "prompt": "T", "max_tokens": 30000, "stream": True}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as response:
+            lines.append(str(response.status_code))
+            lines.extend(line for line in response.iter_lines() if line)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
+                         ids=["sigterm", "sigint", "sigint-twice"])
+def test_a_stop_ends_every_open_stream_with_an_error_event_then_done(slow_run, signals):
+    # one signal with no grace; or a grace of a minute that the second Ctrl-C cuts short
+    grace = "0" if len(signals) == 1 else "60"
+    server = Server("--ckpt", str(slow_run), "--max-batch", "2", "--timeout-shutdown", grace)
+    streams = [[] for _ in range(5)]  # 2 decode, 3 wait for a row
+    threads = [open_stream(server, lines) for lines in streams]
+    server.wait_for(lambda health: health["active_rows"] == 2 and health["queued"] == 3)
     start = time.monotonic()
-    server.process.send_signal(stop)
-    out, err = server.process.communicate(timeout=15)
-    assert server.process.returncode == 0, err
-    assert time.monotonic() - start < 10 and out == "" and "Traceback" not in err
+    for sig in signals:
+        server.process.send_signal(sig)
+        time.sleep(0.3)
+    code, out, err = server.wait()
+    for thread in threads:
+        thread.join(10)
+    assert code == 0 and out == "" and "Traceback" not in err, err
+    assert time.monotonic() - start < 10
+    for lines in streams:
+        assert lines[0] == "200" and lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"] and error["type"] == "server_error"
     assert '"decoding_steps"' in err  # its closing metrics line, on stderr
+
+
+def test_the_official_client_sees_the_stop_as_an_error(slow_run):
+    server = Server("--ckpt", str(slow_run), "--max-batch", "1", "--timeout-shutdown", "0")
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    stream = client.completions.create(model=SLOW, prompt="T", max_tokens=30000, stream=True)
+    next(iter(stream))
+    server.process.terminate()
+    with pytest.raises(openai.APIError, match="shutting down"):
+        list(stream)
+    code, _, err = server.wait()
+    assert code == 0 and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ connections
+
+
+@pytest.fixture(scope="module")
+def limited(run) -> Iterator[Server]:
+    running = Server("--ckpt", str(run), "--max-connections", str(MAX_CONNECTIONS), "--timeout-headers", str(TIMEOUT),
+                     "--timeout-body", str(TIMEOUT), "--timeout-keep-alive", str(TIMEOUT))
+    yield running
+    code, out, err = running.stop()
+    assert code == 0 and out == "" and "Traceback" not in err, (code, out, err)
+
+
+def timed_read(sock: socket.socket) -> tuple[bytes, float]:
+    start = time.monotonic()
+    return read_all(sock), time.monotonic() - start
+
+
+def test_a_silent_connection_is_closed_after_the_header_timeout(limited):
+    with limited.connect() as sock:
+        answer, waited = timed_read(sock)
+    assert answer == b"" and TIMEOUT * 0.9 < waited < TIMEOUT + 3
+
+
+@pytest.mark.parametrize(("request_", "stage"), [
+    (b"GET /health HTTP/1.1\r\nHost: x\r\n", "headers"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+     b'{"model": ', "body"),
+])
+def test_half_a_request_is_answered_408_when_its_time_is_up(limited, request_, stage):
+    with limited.connect() as sock:
+        sock.sendall(request_)
+        answer, waited = timed_read(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and TIMEOUT * 0.9 < waited < TIMEOUT + 3
+    assert json.loads(body)["error"]["message"] == f"the request's {stage} did not arrive within {TIMEOUT} s"
+    assert limited.wait_for(lambda health: health["requests"] == 0)["requests"] == 0  # its handler has ended
+
+
+def test_an_idle_keep_alive_connection_is_closed(limited):
+    with limited.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer, waited = timed_read(sock)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in answer and waited < TIMEOUT + 3
+
+
+def test_a_connection_past_the_limit_is_refused_and_health_answers_once_the_silent_ones_time_out(limited):
+    silent = [limited.connect() for _ in range(MAX_CONNECTIONS)]
+    time.sleep(0.2)  # accepted
+    try:
+        with limited.connect() as sock:
+            status, answer = http_exchange(sock, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 503 and b"Retry-After: 1" in answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+        start = time.monotonic()
+        while httpx.get(f"{limited.root}/health", timeout=5).status_code != 200:
+            time.sleep(0.05)
+        assert time.monotonic() - start < TIMEOUT + 3
+    finally:
+        for sock in silent:
+            sock.close()
+    assert limited.log().count("refused a connection") == 1
+
+
+def test_the_file_limit_is_raised_and_accept_failing_is_one_line_with_a_count(run):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(hard, 256)
+    server = Server("--ckpt", str(run), "--max-connections", "32",
+                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    pid = server.process.pid
+    assert resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] == hard
+    open_fds = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    lowest_free = min(set(range(len(open_fds) + 1)) - open_fds)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))  # no file more: accept() fails
+    clients = [server.connect() for _ in range(3)]
+    time.sleep(2.5)  # asyncio retries every second
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (hard, hard))
+    for sock in clients:
+        with sock:
+            assert http_exchange(sock, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
+    code, _, err = server.stop()  # within a second of the failures: asyncio's retries find the socket closed
+    lines = [line for line in err.splitlines() if "out of system resource" in line]
+    assert code == 0 and "Traceback" not in err, err
+    assert lines[0] == "plainformer serve: socket.accept() out of system resource: [Errno 24] Too many open files"
+    assert len(lines) == 2 and int(lines[1].rpartition("again ")[2].split()[0]) >= 2, lines
+
+
+def test_an_empty_or_non_ascii_api_key_is_refused_at_start_in_one_line(run):
+    for key in ("", "clé-secrète", "two words"):
+        result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
+                                 "--api-key", key], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.strip().splitlines() == [
+            "plainformer: error: argument --api-key: expected printable ASCII without spaces, which an HTTP header "
+            "can carry (see `plainformer serve --help`)"]
 
 
 def test_a_port_in_use_is_one_line(run):
@@ -55,7 +198,7 @@ def test_a_missing_model_is_one_line(tmp_path):
 
 def test_listening_beyond_loopback_without_a_key_is_warned_once(run):
     server = Server("--ckpt", str(run), "--host", "0.0.0.0")
-    code, _, err = server.stop()
+    code, _, _ = server.stop()
     assert "warning: listening on 0.0.0.0" in server.logged and code == 0
 
 

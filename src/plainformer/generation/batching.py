@@ -201,9 +201,26 @@ class ContinuousBatcher:
             self._waiting.append(job)
             self._wake.notify()
 
+    def cancel(self, job: Job) -> None:
+        """Free `job`: its place in the queue at once (the next request may take it), its rows at the
+        next step. Nothing more is emitted for it."""
+        with self._wake:
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+
     @property
     def active_rows(self) -> int:
         return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for room."""
+        return len(self._waiting)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     # ------------------------------------------------------------------ the batcher's thread
 

@@ -1,13 +1,18 @@
 """The HTTP application (FastAPI): OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`,
-and `/health`.
+and `/health` (GET or HEAD).
 
-Handlers only read, check and format: the requests' decoding runs on the batcher's thread
-(`service.Service`), so the event loop answers `/health` while a batch decodes. Every error, expected
-or not, is answered in OpenAI's error shape; a traceback goes to stderr, never to a client. With an API
-key, every `/v1` route wants `Authorization: Bearer KEY` (compared in constant time). A body over
-max_body bytes is refused with 413 before it is read further. A stream is Server-Sent Events, one
-`data: {chunk}` per token of a choice, ending in `data: [DONE]`; a client that goes away, streaming or
-not, has its rows freed at the batcher's next step.
+The event loop only moves bytes: reading a body's JSON, checking its fields, rendering a chat template and
+encoding the prompts run on threads (the template in a process of its own, `chat.TemplateRenderer`), and
+so does formatting a whole response, so /health answers within milliseconds whatever a request holds. The
+requests' decoding runs on the batcher's thread (`service.Service`).
+
+Every error, expected or not, is answered in OpenAI's error shape; a traceback goes to stderr once, and
+only for a bug, never to a client. What is expected is quiet: a client that goes away (mid-body, waiting
+in the queue, or decoding, streaming or not) frees its handler, its queue place and its rows at once, and
+a request the server's stop cuts short is answered 503 (a stream ends with an error event and `data:
+[DONE]`). With an API key, every `/v1` route wants `Authorization: Bearer KEY` (compared in constant
+time). A body over max_body bytes is refused with 413 before it is read further. A stream is
+Server-Sent Events, one `data: {chunk}` per token of a choice, ending in `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -26,33 +31,51 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .chat import chat_prompt
+from .chat import TemplateRenderer
 from .choices import Choice, chat_logprobs, legacy_logprobs
-from .protocol import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
+from .protocol import (
+    SHUTTING_DOWN,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 from .service import Exchange, Service
 
 MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(service: Service, *, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The application serving `service`, whose batcher the caller runs (`server.run`); `on_ready` is
-    called once the application has started."""
+               renderer: TemplateRenderer | None = None, on_ready: Callable[[], None] | None = None) -> Guarded:
+    """The application serving `service`, whose batcher the caller runs (`server.run`); `renderer` renders
+    its chat prompts (default: the model's template with the default bounds), and `on_ready` is called once
+    the application has started."""
+    prompts = renderer or TemplateRenderer(service.tokenizer, service.name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if on_ready is not None:
             on_ready()
-        yield
+        try:
+            yield
+        finally:
+            prompts.close()
 
     app = FastAPI(title="plainformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     authorize = _authorizer(api_key)
+    guarded = Guarded(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": service.name, "active_rows": service.batcher.active_rows}
+        batcher = service.batcher
+        return {"status": "ok", "model": service.name, "active_rows": batcher.active_rows, "queued": batcher.queued,
+                "requests": guarded.requests}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -62,30 +85,76 @@ def create_app(service: Service, *, api_key: str | None = None, max_body: int = 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        parsed = parse_completion(parse_json(await _body(request, max_body)), service.batcher.max_rows)
-        service.check_model(parsed.decoding.model)
-        params = ["prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]" for i in range(len(parsed.prompts))]
-        prompts = [service.encode(prompt, param) for prompt, param in zip(parsed.prompts, params, strict=True)]
-        exchange = Exchange(service, prompts, parsed.decoding, logprobs=parsed.logprobs, echo=parsed.echo,
-                            params=params)
-        return await _answer(request, exchange, _Completions(service, exchange, parsed))
+        raw = await _body(request, max_body)
+        exchange, shape = await asyncio.to_thread(_completion, service, raw, asyncio.get_running_loop())
+        return await _answer(request, exchange, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        parsed = parse_chat(parse_json(await _body(request, max_body)), service.batcher.max_rows)
-        service.check_model(parsed.decoding.model)
-        text = chat_prompt(service.tokenizer, parsed.messages)
-        try:
-            ids = service.tokenizer.encode_text(text)
-        except ValueError as error:  # a character the vocabulary lacks
-            raise APIError(f"messages: {error}", param="messages") from None
-        if not ids:
-            raise APIError("messages render to an empty prompt", param="messages")
-        exchange = Exchange(service, [ids], parsed.decoding, logprobs=parsed.top_logprobs, params=["messages"])
-        return await _answer(request, exchange, _Chat(service, exchange, parsed))
+        raw = await _body(request, max_body)
+        parsed = await asyncio.to_thread(_chat_request, service, raw)
+        text = await prompts.prompt(parsed.messages)
+        exchange, shape = await asyncio.to_thread(_chat, service, parsed, text, asyncio.get_running_loop())
+        return await _answer(request, exchange, shape)
 
-    return app
+    return guarded
+
+
+class Guarded:
+    """The application as the server runs it: what escapes the application is a bug, whose 500 has been
+    sent (FastAPI's handler) and whose traceback is logged here, once; a request the server's stop
+    cancels is answered 503 if nothing was sent yet, without a traceback. `requests`: the /v1 requests
+    in flight."""
+
+    def __init__(self, app: ASGIApp):
+        self.app, self.requests = app, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"].startswith("/v1/")
+        self.requests += counted
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:  # the server's stop, once its grace has passed
+            with contextlib.suppress(RuntimeError):  # what was sent cannot be taken back
+                await JSONResponse(APIError(SHUTTING_DOWN, status=503, type="server_error").body(),
+                                   status_code=503)(scope, receive, send)
+        except Exception as error:
+            traceback.print_exception(error, file=sys.stderr)
+        finally:
+            self.requests -= counted
+
+
+def _completion(service: Service, raw: bytes, loop: asyncio.AbstractEventLoop) -> tuple[Exchange, _Completions]:
+    """A completion request's exchange, read, checked and encoded (on a thread)."""
+    parsed = parse_completion(parse_json(raw), service.batcher.max_rows, service.batcher.max_queue)
+    service.check_model(parsed.decoding.model)
+    params = ["prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]" for i in range(len(parsed.prompts))]
+    prompts = [service.encode(prompt, param) for prompt, param in zip(parsed.prompts, params, strict=True)]
+    exchange = Exchange(service, prompts, parsed.decoding, loop=loop, logprobs=parsed.logprobs, echo=parsed.echo,
+                        params=params)
+    return exchange, _Completions(service, exchange, parsed)
+
+
+def _chat_request(service: Service, raw: bytes) -> ChatRequest:
+    parsed = parse_chat(parse_json(raw), service.batcher.max_rows)
+    service.check_model(parsed.decoding.model)
+    return parsed
+
+
+def _chat(service: Service, parsed: ChatRequest, text: str, loop: asyncio.AbstractEventLoop) -> tuple[Exchange, _Chat]:
+    """A chat request's exchange, its rendered messages encoded (on a thread)."""
+    try:
+        ids = service.tokenizer.encode_text(text)
+    except ValueError as error:  # a character the vocabulary lacks
+        raise APIError(f"messages: {error}", param="messages") from None
+    if not ids:
+        raise APIError("messages render to an empty prompt", param="messages")
+    exchange = Exchange(service, [ids], parsed.decoding, loop=loop, logprobs=parsed.top_logprobs,
+                        params=["messages"], logprobs_param="top_logprobs")
+    return exchange, _Chat(service, exchange, parsed)
 
 
 # ---------------------------------------------------------------------------- the shape of each endpoint
@@ -98,6 +167,7 @@ class _Completions:
 
     def __init__(self, service: Service, exchange: Exchange, request: CompletionRequest):
         self.tokenizer, self.exchange, self.request = service.tokenizer, exchange, request
+        self.scores_prompt = request.echo and request.logprobs is not None  # an opening worth a thread
 
     def _echoed(self, choice: Choice) -> str:
         return self.tokenizer.decode(choice.prompt) if self.request.echo else ""
@@ -138,6 +208,7 @@ class _Chat:
 
     def __init__(self, service: Service, exchange: Exchange, request: ChatRequest):
         self.tokenizer, self.exchange, self.request = service.tokenizer, exchange, request
+        self.scores_prompt = False
 
     def choice(self, choice: Choice) -> dict[str, Any]:
         logprobs = None
@@ -163,34 +234,75 @@ _Shape = _Completions | _Chat
 
 
 async def _answer(request: Request, exchange: Exchange, shape: _Shape) -> Response:
-    """Submit the exchange's jobs, then answer with the whole response or its stream."""
+    """Submit the exchange's jobs, then answer with the whole response (formatted on a thread) or its
+    stream. A client that goes away first frees its rows and its queue places, and is sent nothing."""
     exchange.submit()
     header = {"id": f"{shape.prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
               "model": exchange.service.name}
     if exchange.decoding.stream:
-        return StreamingResponse(_stream(exchange, shape, header), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, exchange))
+        return _Stream(exchange, _stream(exchange, shape, header))
     try:
+        if not await _finished(request, exchange):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    finally:
+        exchange.cancel()
+
+    def whole() -> bytes:
+        return _json({**header, "object": shape.object, "choices": [shape.choice(c) for c in exchange.choices],
+                      "usage": exchange.usage()})
+
+    return Response(await asyncio.to_thread(whole), media_type="application/json")
+
+
+class _Stream(StreamingResponse):
+    """An SSE stream that frees the exchange's rows and queue places however it ends, even before its
+    first event (a client that leaves at once)."""
+
+    def __init__(self, exchange: Exchange, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                          "X-Accel-Buffering": "no"})
+        self.exchange = exchange
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.exchange.cancel()
+
+
+async def _finished(request: Request, exchange: Exchange) -> bool:
+    """Wait for every choice of the exchange (True), or for its client to go away (False)."""
+    async def collect() -> None:
         async for _ in exchange.updates():
             pass
+
+    collecting = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((collecting, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        exchange.cancel()
-    return JSONResponse({**header, "object": shape.object, "choices": [shape.choice(c) for c in exchange.choices],
-                         "usage": exchange.usage()})
+        collecting.cancel()
+        gone.cancel()
+    if not collecting.done() or collecting.cancelled():
+        return False
+    collecting.result()  # the batcher's error, if it failed
+    return True
 
 
-async def _cancel_on_disconnect(request: Request, exchange: Exchange) -> None:
-    """Free the exchange's rows when the client goes away before its answer."""
+async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    exchange.cancel()
+
+
+def _json(content: Any) -> bytes:
+    """`content` as JSONResponse writes it."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 async def _stream(exchange: Exchange, shape: _Shape, header: dict[str, Any]) -> AsyncIterator[str]:
-    """The SSE events of a stream; the rows are freed when it ends, however it ends (a client that
-    disconnects cancels this generator)."""
+    """The SSE events of a stream, ending in `data: [DONE]` whether its choices finished or the batcher
+    failed or stopped (an error event first). A choice's opening (its echoed prompt, scored) is formatted
+    on a thread, its tokens here."""
     usage = exchange.decoding.include_usage
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -199,24 +311,28 @@ async def _stream(exchange: Exchange, shape: _Shape, header: dict[str, Any]) -> 
             chunk["usage"] = None
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
+    opened: set[int] = set()
+
+    async def opening(choice: Choice) -> str:
+        if choice.index in opened or not shape.scores_prompt:
+            return from_opening(choice, shape, opened, event)
+        return await asyncio.to_thread(from_opening, choice, shape, opened, event)
+
     try:
-        opened: set[int] = set()
         for choice in exchange.choices:
-            if opening := from_opening(choice, shape, opened, event):
-                yield opening
+            if first := await opening(choice):
+                yield first
             if exchange.settled(choice):  # max_tokens 0 and nothing to score: the choice is whole already
                 yield event([shape.delta(choice)])
         async for choice in exchange.updates():
-            if opening := from_opening(choice, shape, opened, event):
-                yield opening
+            if first := await opening(choice):
+                yield first
             if choice.tokens or choice.finish is not None:
                 yield event([shape.delta(choice)])
         if usage:
             yield event([], usage=exchange.usage())
     except APIError as error:
         yield f"data: {json.dumps(error.body())}\n\n"
-    finally:
-        exchange.cancel()
     yield "data: [DONE]\n\n"
 
 
@@ -235,7 +351,8 @@ def from_opening(choice: Choice, shape: _Shape, opened: set[int], event: Callabl
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request's body, or a 413 as soon as it is known to exceed `limit` bytes."""
+    """The request's body, or a 413 as soon as it is known to exceed `limit` bytes (the server reads the
+    rest and drops it, within --timeout-body, so that the client reads the 413, not a reset)."""
     declared = request.headers.get("content-length", "")
     too_large = APIError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
     if declared.isdigit() and int(declared) > limit:
@@ -274,8 +391,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(APIError(message, status=error.status_code, code=code).body(),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
+    @app.exception_handler(ClientDisconnect)
+    async def gone(_: Request, error: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left mid-body: nobody reads this
+
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
-        traceback.print_exception(error, file=sys.stderr)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:  # its traceback: `Guarded`'s
         return JSONResponse(APIError("the server failed to answer this request", status=500,
                                      type="server_error").body(), status_code=500)

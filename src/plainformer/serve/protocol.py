@@ -20,14 +20,18 @@ MAX_LEGACY_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SHUTTING_DOWN = "the server is shutting down: this request was ended before it finished"
 
 
 class APIError(Exception):
-    """An answer in OpenAI's error shape with an HTTP status (400 unless said)."""
+    """An answer in OpenAI's error shape with an HTTP status (400 unless said). The message may quote
+    what the client sent: a lone surrogate in it (JSON's "\\ud800") is written as its escape, since
+    UTF-8 cannot carry it."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
         self.headers = headers or {}
@@ -83,12 +87,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_completion(body: dict[str, Any], max_n: int) -> CompletionRequest:
+def parse_completion(body: dict[str, Any], max_n: int, max_prompts: int | None = None) -> CompletionRequest:
+    """max_n: the most choices per prompt; max_prompts: the most prompts (None: any number)."""
     _refuse_unsupported(body, {"suffix": None, "best_of": (None, body.get("n", 1)), "logit_bias": (None, {})})
     logprobs = _optional(body, "logprobs", _is_int, lambda v: 0 <= v <= MAX_LEGACY_LOGPROBS,
                          f"an integer from 0 to {MAX_LEGACY_LOGPROBS}")
-    return CompletionRequest(_decoding(body, max_n, COMPLETION_DEFAULT_MAX_TOKENS), _prompts(body), logprobs,
-                             _flag(body, "echo"))
+    return CompletionRequest(_decoding(body, max_n, COMPLETION_DEFAULT_MAX_TOKENS), _prompts(body, max_prompts),
+                             logprobs, _flag(body, "echo"))
 
 
 def parse_chat(body: dict[str, Any], max_n: int) -> ChatRequest:
@@ -180,8 +185,9 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
-    """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+def _prompts(body: dict[str, Any], max_prompts: int | None) -> list[str | list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of such lists (at most
+    max_prompts of them)."""
     prompt = body.get("prompt")
     expected = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
     if isinstance(prompt, str):
@@ -190,6 +196,9 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
         raise APIError(f"prompt must be {expected} (not empty)", param="prompt")
     if all(_is_int(t) for t in prompt):
         return [prompt]
+    if max_prompts is not None and len(prompt) > max_prompts:
+        raise APIError(f"prompt holds {len(prompt)} prompts; this server takes at most {max_prompts} in one request "
+                       f"(--max-queue)", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):

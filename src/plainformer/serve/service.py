@@ -4,7 +4,9 @@ each request's choices.
 Each prompt of a request is one job of `n` rows. Row j of prompt i draws with seed + i·n + j when a
 seed is given: the row `plainformer sample --seed SEED --num-samples n` draws for that prompt, and the
 same row alone draws the same tokens. A job's prompt plus max_tokens must fit the model's context, and
-its prompt's forward pass the memory available (`models.memory`); else a 400 names the field.
+its prompt's forward pass the memory available (`models.memory`); else a 400 names the field. So must
+the response: its tokens, counting each echoed prompt token and each logprob alternative as one, at
+most max_response_tokens (what bounds the time and memory its JSON takes).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from .. import _checks
 from ..data.tokenizers import Tokenizer
 from ..generation.batching import (
     Cancelled,
@@ -33,19 +36,24 @@ from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
 from ..models.memory import forward_bytes
 from .choices import Choice
-from .protocol import APIError, Decoding
+from .protocol import SHUTTING_DOWN, APIError, Decoding
 
 RETRY_AFTER_S = 1
+MAX_RESPONSE_TOKENS = 1 << 18  # ~10 MB of JSON with logprobs
 
 
 class Service:
-    """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting jobs."""
+    """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting
+    jobs (one per prompt), each response carrying at most max_response_tokens (see the module docstring)."""
 
-    def __init__(self, model: GPT, name: str, *, max_batch: int = 16, max_queue: int = 64):
+    def __init__(self, model: GPT, name: str, *, max_batch: int = 16, max_queue: int = 64,
+                 max_response_tokens: int = MAX_RESPONSE_TOKENS):
         if model.tokenizer is None:
             raise ValueError("the model has no tokenizer, so text cannot be encoded")
+        _checks.check_positive_int("max_response_tokens", max_response_tokens)
         self.model, self.tokenizer, self.name = model, model.tokenizer, name
         self.batcher = ContinuousBatcher(model.decoder(), max_rows=max_batch, max_queue=max_queue)
+        self.max_response_tokens = max_response_tokens
         self.created = int(time.time())
 
     @property
@@ -97,12 +105,30 @@ class Service:
             raise APIError(str(error), param=param) from None
         return room if max_tokens is None else max_tokens
 
+    def check_response_size(self, prompts: Sequence[list[int]], max_new: Sequence[int], n: int, *, echo: bool,
+                            logprobs: int | None, logprobs_param: str) -> None:
+        """A 400 when the response could carry more than max_response_tokens: Σ_prompts (echoed prompt + new
+        tokens) · n · (1 + logprobs alternatives). It names the first field the request raised of n, prompt
+        (more than one), logprobs, prompt (echoed), max_tokens."""
+        per_token = 1 if logprobs is None else 1 + logprobs
+        tokens = sum((len(ids) if echo else 0) + new for ids, new in zip(prompts, max_new, strict=True)) * n * per_token
+        if tokens <= self.max_response_tokens:
+            return
+        param = ("n" if n > 1 else "prompt" if len(prompts) > 1 else logprobs_param if per_token > 1 else
+                 "prompt" if echo else "max_tokens")
+        alternatives = f" x {per_token} with the logprob alternatives" if per_token > 1 else ""
+        raise APIError(f"the response could carry {tokens} tokens, more than the {self.max_response_tokens} this "
+                       f"server answers (--max-response-tokens): {len(prompts)} prompt(s) x n={n}, each choice's "
+                       f"{'echoed prompt and ' if echo else ''}new tokens{alternatives}; lower {param}", param=param)
+
 
 class Exchange:
-    """One request in the batcher: its jobs, and the choices their events fill (`updates`)."""
+    """One request in the batcher: its jobs, and the choices their events fill (`updates`), which `loop`
+    (the server's event loop; default: the running one) receives, so that it may be made on another thread."""
 
     def __init__(self, service: Service, prompts: Sequence[list[int]], decoding: Decoding, *,
-                 logprobs: int | None = None, echo: bool = False, params: Sequence[str] = ()):
+                 loop: asyncio.AbstractEventLoop | None = None, logprobs: int | None = None, echo: bool = False,
+                 params: Sequence[str] = (), logprobs_param: str = "logprobs"):
         self.service, self.decoding = service, decoding
         tokenizer: Tokenizer = service.tokenizer
         self.stop = StopStrings(tokenizer.decode, decoding.stop) if decoding.stop else None
@@ -111,21 +137,24 @@ class Exchange:
         sampling = Sampling(temperature=float(decoding.temperature), top_k=None if decoding.top_k == -1 else
                             decoding.top_k, top_p=None if decoding.top_p in (None, 1) else float(decoding.top_p))
         self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
+        max_new = [service.max_new_tokens(ids, decoding.max_tokens, params[i] if params else "prompt")
+                   for i, ids in enumerate(prompts)]
+        service.check_response_size(prompts, max_new, n, echo=echo, logprobs=logprobs, logprobs_param=logprobs_param)
         self.jobs, self._open = [], 0
         self._scored_only: set[int] = set()  # prompts whose job scores the prompt and draws nothing
         for i, ids in enumerate(prompts):
-            max_new = service.max_new_tokens(ids, decoding.max_tokens, params[i] if params else "prompt")
             seed = decoding.seed
-            job = Job(ids, max_new, self._emitter(loop, i), sampling=sampling,
+            job = Job(ids, max_new[i], self._emitter(loop, i), sampling=sampling,
                       seeds=[None if seed is None else derived_seed(seed, i * n + j) for j in range(n)],
                       eos_id=tokenizer.eos_id, stop=self.stop, logprobs=logprobs,
                       prompt_logprobs=logprobs if echo and logprobs is not None else None)
-            if max_new or job.prompt_logprobs is not None:
+            if max_new[i] or job.prompt_logprobs is not None:
                 self.jobs.append(job)
-                self._open += n if max_new else 1
-            if not max_new:
-                self._scored_only.add(i)
+                self._open += n if max_new[i] else 1
+            if not max_new[i]:
+                if job.prompt_logprobs is not None:
+                    self._scored_only.add(i)
                 for choice in self.choices[i * n:(i + 1) * n]:
                     choice.finish = "length"
 
@@ -136,20 +165,25 @@ class Exchange:
         return emit
 
     def submit(self) -> None:
-        """Every job into the batcher, or none (a 429 with Retry-After when its queue is full)."""
+        """Every job into the batcher, or none (a 429 with Retry-After when its queue is full, a 503 once
+        the server stops)."""
+        batcher = self.service.batcher
         for submitted, job in enumerate(self.jobs):
             try:
-                self.service.batcher.submit(job)
+                batcher.submit(job)
             except QueueFull as error:
                 self.cancel(self.jobs[:submitted])
+                if batcher.stopping:
+                    raise APIError(SHUTTING_DOWN, status=503, type="server_error") from None
                 raise APIError(f"the server is busy: {error}; retry shortly", status=429,
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def cancel(self, jobs: Sequence[Job] | None = None) -> None:
-        """Free the rows of `jobs` (default all) at the batcher's next step."""
+        """Free the queue places of `jobs` (default all) at once, and their rows at the batcher's next step."""
         for job in self.jobs if jobs is None else jobs:
-            job.cancelled = True
+            if not job.cancelled:
+                self.service.batcher.cancel(job)
 
     async def updates(self) -> AsyncIterator[Choice]:
         """Each choice as an event changes it, until every choice has finished."""
@@ -159,7 +193,7 @@ class Exchange:
             if isinstance(event, Failed):
                 raise APIError(event.message, status=500, type="server_error")
             if isinstance(event, Cancelled):
-                raise APIError("the server is shutting down", status=503, type="server_error")
+                raise APIError(SHUTTING_DOWN, status=503, type="server_error")
             if isinstance(event, PromptScores):
                 for choice in self.choices[prompt * n:(prompt + 1) * n]:
                     choice.prompt_scores = event
