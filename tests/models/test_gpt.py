@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -148,6 +149,26 @@ def test_qk_norm_gpt_equals_qwen3_with_copied_weights(heads, backend):
         assert_close(ours(idx)[0], theirs(idx).logits, "logits")
 
 
+@pytest.mark.parametrize("backend", ["math", "flash", "auto"])
+def test_attn_softcap_gpt_equals_llama_with_gemma2_soft_capped_attention(backend, monkeypatch):
+    """Gemma 2's eager attention (attn_logit_softcapping: c·tanh(s/c) of the scaled scores, then the mask)
+    in place of Llama's: a Llama-shaped model whose scores are soft-capped."""
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.llama import modeling_llama
+
+    ours = _llama_shaped(attn_softcap=2.0, n_kv_heads=2, tie_weights=False, backend=backend)
+    theirs = llama_family.llama(ours.config)
+    llama_family.copy_into(ours, theirs)
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward",
+                        functools.partial(modeling_gemma2.eager_attention_forward, softcap=2.0))
+    idx = _tokens(2, TINY["block_size"])
+    with torch.no_grad():
+        logits = ours(idx)[0]
+        assert_close(logits, theirs(idx).logits, "logits")
+        monkeypatch.undo()  # Llama's own attention: the cap changed something
+        assert (logits - theirs(idx).logits).abs().max() > 1e-2
+
+
 # ----------------------------------------------------------------------------- config and inputs
 
 @pytest.mark.parametrize("field, value", [
@@ -282,6 +303,7 @@ CACHE_VARIANTS = {
     "gqa-rope": dict(pos_encoding="rope", n_kv_heads=2),
     "mqa-learned": dict(pos_encoding="learned", n_kv_heads=1, bias=True),
     "qk-norm-gqa-rope": dict(pos_encoding="rope", norm="rmsnorm", n_kv_heads=2, qk_norm=True),
+    "softcap-learned": dict(pos_encoding="learned", attn_softcap=0.05),  # scores at init ~0.05: tanh bends
 }
 
 

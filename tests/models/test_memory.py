@@ -86,6 +86,7 @@ ACTIVATION_CASES = {
     "gpt MoE": dict(n_experts=4, top_k=2, d_ff=128),
     "gpt large vocabulary": dict(vocab_size=5000),
     "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
+    "gpt attn-softcap": dict(attn_softcap=30.0),
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import plainformer as pf
+from plainformer.nn.attention import resolve_backend
 from tests.reference.torch_reference import (
     assert_close,
     attention_parameter_grads,
@@ -401,3 +402,70 @@ def test_qk_norm_rms_normalises_each_heads_query_and_key_over_d_k():
     for backend in ("math", "sdpa", "flash"):
         mha.backend = backend
         assert_close(mha(x, x, x, is_causal=True), expected, backend)
+
+
+def _gemma2_attention(q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, softcap: float):
+    """transformers' Gemma 2 eager attention (its attn_logit_softcapping): c·tanh(q kᵀ · d_k^-½ / c) + mask.
+    It takes its softmax in float32 whatever the inputs' dtype: the comparisons are float32's (1e-5)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], training=False, head_dim=q.shape[-1])
+    out, weights = eager_attention_forward(module, q, k, v, additive, softcap=softcap)
+    return out.transpose(1, 2), weights  # its output is (B, n, h, d_v)
+
+
+@pytest.mark.parametrize("impl, kind", [  # flash takes no additive mask
+    (impl, kind) for impl in ("scaled_dot_product_attention", "math", "flash", "auto")
+    for kind in ("none", "causal", "causal+padding", "additive") if (impl, kind) != ("flash", "additive")])
+def test_softcap_equals_gemma2_eager_attention_outputs_and_gradients(impl, kind):
+    n = m = 5
+    q, k, v = _qkv(n, m, torch.float32, heads=4, kv_heads=2)
+    q = 3 * q  # scores well beyond the cap, where tanh bends
+    mask, is_causal, reference_mask = _mask_case(kind, n, m, torch.float32)
+    additive = (None if reference_mask is None else reference_mask if reference_mask.dtype != torch.bool
+                else torch.zeros(reference_mask.shape).masked_fill(~reference_mask, -torch.inf))
+    ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal, softcap=1.5)
+    theirs = _forward_backward(lambda q, k, v: _gemma2_attention(q, k, v, additive, 1.5)[0], q, k, v)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs, strict=True):
+        assert_close(a, b, name)
+    if impl == "scaled_dot_product_attention":
+        weights = pf.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, softcap=1.5)[1]
+        assert_close(weights, _gemma2_attention(q, k, v, additive, 1.5)[1], "weights")
+
+
+def test_a_soft_capped_multihead_attention_equals_the_capped_scores_of_every_backend():
+    torch.manual_seed(0)
+    x = 4 * torch.randn(B, 6, 16)
+    outputs = {}
+    for backend in ("math", "flash", "auto"):
+        torch.manual_seed(1)
+        mha = pf.MultiHeadAttention(16, 4, n_kv_heads=2, softcap=2.0, backend=backend)
+        outputs[backend], weights = mha(x, x, x, is_causal=True), mha(x, x, x, is_causal=True, need_weights=True)[1]
+    q = mha.split_heads(mha.W_q(x), 4)
+    k, v = mha.project_kv(x, x)
+    causal = torch.zeros(6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), -torch.inf)
+    heads, expected_weights = _gemma2_attention(q, k, v, causal, 2.0)
+    expected = mha.W_o(heads.transpose(1, 2).reshape(B, 6, 16))
+    for backend, out in outputs.items():
+        assert_close(out, expected, backend)
+    assert_close(weights, expected_weights, "weights")
+
+
+def test_torch_sdpa_cannot_soft_cap_so_asking_for_both_is_refused_naming_the_field():
+    q, k, v = _qkv(3, 3, torch.float32)
+    with pytest.raises(ValueError, match="softcap needs a backend that soft-caps the scores, and torch's sdpa"):
+        pf.attention(q, k, v, backend="sdpa", softcap=2.0)
+    with pytest.raises(ValueError, match="softcap needs a backend"):
+        pf.MultiHeadAttention(16, 4, backend="sdpa", softcap=2.0)
+    with pytest.raises(ValueError, match="softcap must be"):
+        pf.MultiHeadAttention(16, 4, softcap=0.0)
+    with pytest.raises(ValueError, match="attn_softcap needs a backend"):
+        pf.GPTConfig(backend="sdpa", attn_softcap=30.0)
+
+
+def test_auto_takes_the_math_path_for_soft_capped_scores():
+    q, k, v = _qkv(3, 3, torch.float32)
+    assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0) == "sdpa"
+    assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0, 30.0) == "math"

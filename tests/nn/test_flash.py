@@ -200,6 +200,55 @@ def test_importing_and_running_needs_no_triton():
     assert result.returncode == 0, result.stderr
 
 
+# ----------------------------------------------------------------------------- attention variants
+# The reference is each variant's equation computed step by step in float64 in the test.
+
+def variant_reference(q, k, v, *, is_causal=False, key_padding_mask=None, scale=None, softcap=None):
+    """softmax(c·tanh(s·q kᵀ / c) masked) v in float64, a row without a visible key giving zeros;
+    returns (out, (q, k, v) leaves)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    n, m = q.shape[2], k.shape[2]
+    scores = q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = torch.ones(1, 1, n, m, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & (torch.arange(m)[None, :] <= torch.arange(n)[:, None])
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
+    return weights @ v.repeat_interleave(groups, dim=1), (q, k, v)
+
+
+def variant_outputs_and_grads(q, k, v, grad_out, *, block_q=None, block_k=None, **kwargs):
+    out, leaves = variant_reference(q, k, v, **kwargs)
+    return [out, *torch.autograd.grad(out, leaves, grad_out.double())]
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (24, 40)], ids=["blocks32x64", "blocks24x40"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("is_causal,padded", [(False, False), (True, True)], ids=["plain", "causal+padded"])
+def test_softcap_matches_the_capped_scores_in_float64_over_lengths(blocks, kv_heads, is_causal, padded):
+    for n, m in [(7, 65), (65, 200), (200, 64), (513, 513)]:
+        q, k, v, grad_out = make_inputs(n, m, heads=4, kv_heads=kv_heads, batch=2, dim=4)
+        kwargs = dict(is_causal=is_causal, key_padding_mask=padding_mask(2, m) if padded else None, softcap=0.7)
+        ours = outputs_and_grads(q, k, v, grad_out, block_q=blocks[0], block_k=blocks[1], **kwargs)
+        assert max_error(ours, variant_outputs_and_grads(q, k, v, grad_out, **kwargs)) <= 1e-10, (n, m)
+
+
+def test_gradcheck_in_float64_through_the_softcap():
+    q, k, v, _ = make_inputs(5, 7, heads=4, kv_heads=2, batch=2, dim=3)
+    q = (4 * q).detach().requires_grad_()  # scores beyond the cap
+    mask = torch.tensor([[True, False, True, True, False, True, True], [True] * 6 + [False]])
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, key_padding_mask=mask, softcap=1.3, block_q=2,
+                               block_k=3, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
 def _bad_inputs():
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.ones(2, 6, dtype=torch.bool)
@@ -224,6 +273,7 @@ def _bad_inputs():
         ("block_k float", (q, k, v), dict(block_k=2.0), TypeError, "block_k must be an int"),
         ("is_causal int", (q, k, v), dict(is_causal=1), TypeError, "is_causal must be a bool"),
         ("return_lse str", (q, k, v), dict(return_lse="yes"), TypeError, "return_lse must be"),
+        ("softcap zero", (q, k, v), dict(softcap=0.0), ValueError, "softcap must be a positive"),
     ]
 
 

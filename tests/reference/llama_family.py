@@ -1,4 +1,4 @@
-"""Hugging Face models of the Llama family (Qwen3, Mistral) built locally from a plainformer GPT's shape,
+"""Hugging Face models of the Llama family (Llama, Qwen3, Mistral) built locally from a plainformer GPT's shape,
 with the GPT's weights copied in by a name table written here, independent of plainformer's hf/ code.
 
 A GPT with norm="rmsnorm", activation="swiglu", pos_encoding="rope" and bias=False is Llama-shaped:
@@ -52,6 +52,13 @@ def _common(c: pf.GPTConfig) -> dict:
                 max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, hidden_act="silu",
                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_base}, attention_dropout=0.0,
                 tie_word_embeddings=c.tie_weights, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def llama(config: pf.GPTConfig) -> transformers.PreTrainedModel:
+    """LlamaForCausalLM of the GPT's shape, eager attention (which a test may replace by another model's)."""
+    hf = transformers.LlamaConfig(**_common(config), attention_bias=False, mlp_bias=False)
+    hf._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(hf).eval()
 
 
 def qwen3(config: pf.GPTConfig) -> transformers.PreTrainedModel:

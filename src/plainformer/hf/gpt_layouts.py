@@ -293,7 +293,7 @@ MIXTRAL = _rotary_layout(
 LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
 # Attention variants none of the layouts above computes, at the value that switches each off.
-_NO_LAYOUT = {"qk_norm": False}
+_NO_LAYOUT = {"qk_norm": False, "attn_softcap": None}
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:

@@ -35,7 +35,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators
 from ..generation.stopping import StopStrings
-from ..nn.attention import BACKENDS, MultiHeadAttention
+from ..nn.attention import BACKENDS, MultiHeadAttention, check_softcap_backend
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
@@ -74,6 +74,7 @@ class GPTConfig(Config):
     norm_eps: float = positive(1e-5)
     # Attention variants, each off by default (nn/attention.py): see the README's table.
     qk_norm: bool = False
+    attn_softcap: float | None = positive(None)
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
     n_experts: int = non_negative_int(0)
     top_k: int = positive_int(2)
@@ -113,6 +114,8 @@ class GPTConfig(Config):
             raise ValueError(f"pos_encoding='sinusoidal' needs an even d_model, got {self.d_model}")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"top_k must be at most n_experts={self.n_experts}, got {self.top_k}")
+        if self.attn_softcap is not None:
+            check_softcap_backend(self.backend, "attn_softcap")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
@@ -147,7 +150,7 @@ class Block(nn.Module):
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
                                             dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
-                                            norm_eps=c.norm_eps, validate_args=False)
+                                            norm_eps=c.norm_eps, softcap=c.attn_softcap, validate_args=False)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)

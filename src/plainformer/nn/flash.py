@@ -20,6 +20,10 @@ backward pass, which recomputes each tile instead of storing it:
 Exponentials are taken base 2 (exp(x) = 2^(x·log₂e), log₂e folded into the scale once) because
 torch's exp2 is about twice as fast as exp on CPU.
 
+Soft-capping (Gemma 2, `softcap=c`) replaces S by c·tanh(S/c) before the masks, in the forward and in
+the backward's recomputed tile, and the backward multiplies dS by its derivative 1 - tanh²(S/c). In base 2
+it is the same cap with c·log₂e: log₂e · c·tanh(S/c) = c'·tanh(S'/c') for S' = log₂e·S, c' = log₂e·c.
+
 Conventions: q (B, H, n, d), k (B, H_kv, m, d), v (B, H_kv, m, d_v), H_kv dividing H (grouped-query
 attention: query head h reads key/value head h // (H / H_kv)). `key_padding_mask` (B, m) is True for
 real tokens. `is_causal` is top-left aligned, like torch's scaled_dot_product_attention: query i
@@ -61,34 +65,35 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
                     key_padding_mask: Tensor | None = None, scale: float | None = None,
-                    block_q: int | None = None, block_k: int | None = None,
+                    softcap: float | None = None, block_q: int | None = None, block_k: int | None = None,
                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """softmax(scale · Q Kᵀ) V tile by tile, never storing the (n, m) scores; see the module doc.
 
     q: (B, H, n, d); k: (B, H_kv, m, d); v: (B, H_kv, m, d_v); H_kv divides H.
     key_padding_mask: (B, m) bool, True = real token (False keys are never attended).
     is_causal: query i attends keys j <= i (top-left aligned, as torch's is_causal).
-    scale: defaults to 1/√d. block_q, block_k: tile sizes in query/key positions (defaults
-    DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K). fp16/bf16 inputs are computed in fp32, the results cast back.
-    CUDA tensors go to the Triton kernel (plainformer.flash_triton) when triton is installed, the
-    dtype is fp16/bf16/fp32 and d, d_v <= 256; there block_q/block_k must be powers of two >= 16.
+    scale: defaults to 1/√d. softcap c: the scores become c·tanh(scale · Q Kᵀ / c) before masking.
+    block_q, block_k: tile sizes in query/key positions (defaults DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K).
+    fp16/bf16 inputs are computed in fp32, the results cast back. CUDA tensors go to the Triton kernel
+    (plainformer.flash_triton) when triton is installed, the dtype is fp16/bf16/fp32, d, d_v <= 256 and
+    there is no softcap; there block_q/block_k must be powers of two >= 16.
 
     Returns out (B, H, n, d_v), and with return_lse also L = logsumexp of each score row (B, H, n)
     (float32, or float64 for float64 inputs; -inf for rows that see no key), differentiable too.
     """
-    scale = _check_inputs(q, k, v, is_causal, key_padding_mask, scale, block_q, block_k, return_lse)
-    triton_attention = _triton_function(q, v)
+    scale = _check_inputs(q, k, v, is_causal, key_padding_mask, scale, softcap, block_q, block_k, return_lse)
+    triton_attention = _triton_function(q, v) if softcap is None else None
     if triton_attention is not None:
         out, lse = triton_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                                     scale=scale, block_q=block_q, block_k=block_k)
     else:
-        out, lse = _FlashAttention.apply(q, k, v, key_padding_mask, is_causal, scale,
+        out, lse = _FlashAttention.apply(q, k, v, key_padding_mask, is_causal, scale, softcap,
                                          block_q or DEFAULT_BLOCK_Q, block_k or DEFAULT_BLOCK_K)
     return (out, lse) if return_lse else out
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_mask: Tensor | None,
-                  scale: float | None, block_q: int | None, block_k: int | None,
+                  scale: float | None, softcap: float | None, block_q: int | None, block_k: int | None,
                   return_lse: bool) -> float:
     """Validate everything at the boundary (the arguments may be anything); returns the scale."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -115,6 +120,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, key_padding_
             _checks.check_positive_int(name, size)
     if key_padding_mask is not None:
         _checks.check_key_padding_mask("key_padding_mask", key_padding_mask, batch, k.shape[2], q.device)
+    if softcap is not None:
+        _checks.check_positive_number("softcap", softcap)
     if scale is None:
         return 1.0 / math.sqrt(dim)
     return _checks.check_positive_number("scale", scale)
@@ -165,9 +172,10 @@ class _Tiles:
     """
 
     def __init__(self, n: int, m: int, groups: int, batch: int, block_q: int, block_k: int,
-                 is_causal: bool, key_padding_mask: Tensor | None, dtype: torch.dtype,
+                 is_causal: bool, key_padding_mask: Tensor | None, softcap: float | None, dtype: torch.dtype,
                  device: torch.device):
         self.groups, self.batch, self.is_causal = groups, batch, is_causal
+        self.softcap2 = None if softcap is None else softcap * LOG2E  # the cap in base-2 units
         self.dtype, self.device = dtype, device
         self.queries = [(i0, min(i0 + block_q, n)) for i0 in range(0, n, block_q)]
         self.keys = [(j0, min(j0 + block_k, m)) for j0 in range(0, m, block_k)]
@@ -180,6 +188,18 @@ class _Tiles:
             padded_keys = (~key_padding_mask).any(dim=0).tolist()  # (m,)
             self.padded = [any(padded_keys[j0:j1]) for j0, j1 in self.keys]
         self._causal: dict[tuple[int, int, int], Tensor] = {}
+
+    def cap_(self, scores: Tensor, tanh: Tensor | None = None) -> Tensor | None:
+        """S ← c'·tanh(S/c') in place where soft-capped; with `tanh`, tanh(S/c') is kept there (for the
+        backward's 1 - tanh²) and returned."""
+        if self.softcap2 is None:
+            return None
+        if tanh is None:
+            scores.div_(self.softcap2).tanh_().mul_(self.softcap2)
+            return None
+        torch.tanh(scores.div_(self.softcap2), out=tanh)
+        torch.mul(tanh, self.softcap2, out=scores)
+        return tanh
 
     def visible(self, i: int, j: int) -> bool:
         return not self.is_causal or self.keys[j][0] < self.queries[i][1]
@@ -245,6 +265,7 @@ def _forward(q_blocks: list[Tensor], k: Tensor, v: Tensor, tiles: _Tiles) -> tup
             if not tiles.visible(i, j):
                 break
             scores = torch.bmm(q_i, k[:, j0:j1].transpose(1, 2), out=scores_of(rows, j1 - j0))
+            tiles.cap_(scores)
             tiles.mask_(scores, i, j)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # A row with no visible key yet keeps max -inf; shifting it by 0 gives exp2(-inf) = 0.
@@ -271,6 +292,7 @@ def _backward(q_blocks: list[Tensor], k: Tensor, v: Tensor, grad_blocks: list[Te
     rows = q_blocks[0].shape[1]
     probs_of = _workspace(rows, tiles.keys[0][1], k)
     dprobs_of = _workspace(rows, tiles.keys[0][1], k)
+    tanh_of = _workspace(rows, tiles.keys[0][1], k) if tiles.softcap2 is not None else None
     dq_blocks = [torch.zeros_like(q_i) for q_i in q_blocks]
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     for j, (j0, j1) in enumerate(tiles.keys):
@@ -281,11 +303,14 @@ def _backward(q_blocks: list[Tensor], k: Tensor, v: Tensor, grad_blocks: list[Te
                 continue
             r, c = q_i.shape[1], j1 - j0
             probs = torch.bmm(q_i, k_j.transpose(1, 2), out=probs_of(r, c))
+            tanh = tiles.cap_(probs, None if tanh_of is None else tanh_of(r, c))
             tiles.mask_(probs, i, j)
             probs.sub_(lse2_blocks[i]).exp2_()  # P = exp(S - L)
             dv_acc.baddbmm_(probs.transpose(1, 2), grad_blocks[i])
             dscores = torch.bmm(grad_blocks[i], v_j.transpose(1, 2), out=dprobs_of(r, c))  # dP
             dscores.sub_(delta_blocks[i]).mul_(probs)  # dS = P ∘ (dP - D)
+            if tanh is not None:  # through the cap: dS ∘ (1 - tanh²)
+                dscores.mul_(tanh.square_().neg_().add_(1.0))
             dq_blocks[i].baddbmm_(dscores, k_j)
             dk_acc.baddbmm_(dscores.transpose(1, 2), q_i)
         dk[:, j0:j1] = dk_acc
@@ -297,13 +322,13 @@ class _FlashAttention(torch.autograd.Function):
     """Plain-PyTorch FlashAttention-2 for any device; saves only the inputs, O and L."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                is_causal: bool, scale: float, block_q: int, block_k: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,
+                scale: float, softcap: float | None, block_q: int, block_k: int) -> tuple[Tensor, Tensor]:
         batch, heads, n, _ = q.shape
         n_kv_heads, m = k.shape[1], k.shape[2]
         compute = torch.float32 if q.dtype in _ACCUMULATE_IN_FP32 else q.dtype
         tiles = _Tiles(n, m, heads // n_kv_heads, batch, block_q, block_k, is_causal,
-                       key_padding_mask, compute, q.device)
+                       key_padding_mask, softcap, compute, q.device)
         q_blocks = _scaled_query_blocks(q, n_kv_heads, tiles.groups * block_q, scale * LOG2E,
                                         compute)
         out, lse2 = _forward(q_blocks, _kv_rows(k, compute), _kv_rows(v, compute), tiles)
@@ -341,7 +366,7 @@ class _FlashAttention(torch.autograd.Function):
         dq = _from_rows(dq.mul_(scale), batch, heads).to(q.dtype)
         # dK = s · Σ dSᵀ Q = Σ dSᵀ Q' / log₂e, as the blocks held Q' = s·log₂e·Q.
         dk = dk.mul_(1.0 / LOG2E).view(k.shape).to(k.dtype)
-        return dq, dk, dv.view(v.shape).to(v.dtype), None, None, None, None, None
+        return dq, dk, dv.view(v.shape).to(v.dtype), None, None, None, None, None, None
 
 
 def _scaled_query_blocks(q: Tensor, n_kv_heads: int, rows: int, factor: float,
