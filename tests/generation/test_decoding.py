@@ -195,7 +195,7 @@ def _alone(model, prompt, steps, **options):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope", "alibi"])
 def test_prompts_of_different_lengths_decode_in_one_batch_as_each_alone(pos_encoding, use_cache):
     """20 new tokens past block_size 12: every row's window slides on its own, at its own step."""
     model = _tiny_gpt(pos_encoding)

@@ -188,6 +188,8 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(MIXTRAL, qk_norm=True), "qk_norm=True"),
     (dict(GPT2, qk_norm=True), "qk_norm=True"),
     (dict(LLAMA, attn_softcap=30.0), "attn_softcap=30.0 has no Hugging Face layout here"),
+    (dict(LLAMA, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
+    (dict(MIXTRAL, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))

@@ -85,7 +85,7 @@ def test_left_padded_rows_match_hugging_face_given_its_attention_mask_and_positi
     assert not logits.isnan().any()  # padding queries see themselves, so nothing is NaN
 
 
-@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope", "alibi"])
 def test_a_padded_row_prefilled_and_decoded_with_a_cache_gives_its_logits_alone(pos_encoding):
     model = _gpt(pos_encoding=pos_encoding).eval()
     idx, real = _left_padded(3, 10)
@@ -173,7 +173,7 @@ def test_attn_softcap_gpt_equals_llama_with_gemma2_soft_capped_attention(backend
 
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
-    ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
+    ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "xpos"), ("norm", "batchnorm"),
     ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"), ("rope_base", 1.0),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
@@ -304,6 +304,8 @@ CACHE_VARIANTS = {
     "mqa-learned": dict(pos_encoding="learned", n_kv_heads=1, bias=True),
     "qk-norm-gqa-rope": dict(pos_encoding="rope", norm="rmsnorm", n_kv_heads=2, qk_norm=True),
     "softcap-learned": dict(pos_encoding="learned", attn_softcap=0.05),  # scores at init ~0.05: tanh bends
+    "alibi": dict(pos_encoding="alibi"),
+    "alibi-gqa-softcap-flash": dict(pos_encoding="alibi", n_kv_heads=2, attn_softcap=0.05, backend="flash"),
 }
 
 
@@ -378,7 +380,7 @@ def _sliding_reference(model: pf.GPT, prompt: torch.Tensor, tokens: torch.Tensor
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal"])
+@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal", "alibi"])
 @pytest.mark.parametrize("prompt_length", [5, 30])  # 30 > block_size: the prompt is cut to its last block
 def test_sliding_context_past_block_size_matches_the_documented_windows(variant, prompt_length):
     model = _gpt(**CACHE_VARIANTS[variant]).double()

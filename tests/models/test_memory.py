@@ -87,6 +87,7 @@ ACTIVATION_CASES = {
     "gpt large vocabulary": dict(vocab_size=5000),
     "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
     "gpt attn-softcap": dict(attn_softcap=30.0),
+    "gpt alibi": dict(pos_encoding="alibi"),
 }
 
 

@@ -469,3 +469,42 @@ def test_auto_takes_the_math_path_for_soft_capped_scores():
     q, k, v = _qkv(3, 3, torch.float32)
     assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0) == "sdpa"
     assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0, 30.0) == "math"
+
+
+def _bloom_attention_with_our_weights(ours: pf.MultiHeadAttention):
+    """transformers' BloomAttention with our W_q, W_k, W_v fused as its query_key_value, whose rows are
+    (head, [q, k, v], d_k), and W_o as its dense."""
+    import transformers
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+
+    h, d = ours.n_heads, ours.head_dim
+    config = transformers.BloomConfig(hidden_size=ours.d_model, n_head=h, attention_dropout=0.0, hidden_dropout=0.0)
+    theirs = BloomAttention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for kind in ("weight", "bias"):
+            parts = [getattr(linear, kind).view(h, d, -1) for linear in (ours.W_q, ours.W_k, ours.W_v)]
+            getattr(theirs.query_key_value, kind).copy_(torch.stack(parts, dim=1).reshape(3 * h * d, -1).squeeze(-1))
+        theirs.dense.load_state_dict(ours.W_o.state_dict())
+    return theirs
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_alibi_attention_equals_bloom_attention_with_copied_weights(backend):
+    """Bloom adds m_h · j (its `build_alibi_tensor`) where ALiBi's -m_h · (i - j) adds -m_h · i more: a
+    constant of each query's row, which softmax cancels, so outputs and weights are equal."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    torch.manual_seed(0)
+    ours = pf.MultiHeadAttention(24, 6, alibi=True, backend=backend).eval()
+    theirs = _bloom_attention_with_our_weights(ours)
+    x = 2 * torch.randn(B, 7, 24)
+    real = torch.ones(B, 7, dtype=torch.bool)
+    real[1, 5:] = False  # right padding: Bloom's positions (the real tokens' count) are the columns
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril() & real[:, None, None, :]
+    additive = torch.zeros(B, 1, 7, 7).masked_fill(~allowed, -torch.inf)
+    expected, expected_weights = theirs(x, torch.zeros_like(x), build_alibi_tensor(real, 6, torch.float32), additive)
+    with torch.no_grad():
+        assert_close(ours(x, x, x, key_padding_mask=real, is_causal=True), expected, "padded")
+        out, weights = ours(x[:1], x[:1], x[:1], is_causal=True, need_weights=True)
+        assert_close(ours(x[:1], x[:1], x[:1], is_causal=True), expected[:1], "output")
+    assert_close(weights, expected_weights[:1], "weights")

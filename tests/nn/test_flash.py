@@ -203,18 +203,22 @@ def test_importing_and_running_needs_no_triton():
 # ----------------------------------------------------------------------------- attention variants
 # The reference is each variant's equation computed step by step in float64 in the test.
 
-def variant_reference(q, k, v, *, is_causal=False, key_padding_mask=None, scale=None, softcap=None):
-    """softmax(c·tanh(s·q kᵀ / c) masked) v in float64, a row without a visible key giving zeros;
-    returns (out, (q, k, v) leaves)."""
+def variant_reference(q, k, v, *, is_causal=False, key_padding_mask=None, scale=None, offset=0, softcap=None,
+                      alibi_slopes=None):
+    """softmax(c·tanh(s·q kᵀ / c) + m_h·(j - i - offset), masked) v in float64, query i at key position
+    i + offset, a row without a visible key giving zeros; returns (out, (q, k, v) leaves)."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     n, m = q.shape[2], k.shape[2]
     scores = q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    distance = torch.arange(m)[None, :] - (torch.arange(n)[:, None] + offset)  # j - (i + offset), (n, m)
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.double()[:, None, None] * distance
     allowed = torch.ones(1, 1, n, m, dtype=torch.bool)
     if is_causal:
-        allowed = allowed & (torch.arange(m)[None, :] <= torch.arange(n)[:, None])
+        allowed = allowed & (distance <= 0)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
     weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
@@ -237,6 +241,45 @@ def test_softcap_matches_the_capped_scores_in_float64_over_lengths(blocks, kv_he
         assert max_error(ours, variant_outputs_and_grads(q, k, v, grad_out, **kwargs)) <= 1e-10, (n, m)
 
 
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # ALiBi's for 4 heads, exact in every dtype
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (24, 40)], ids=["blocks32x64", "blocks24x40"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("is_causal,padded", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "causal", "causal+padded"])
+def test_alibi_at_any_offset_matches_the_biased_scores_in_float64(blocks, kv_heads, is_causal, padded):
+    for n, m in [(1, 65), (7, 65), (65, 200), (200, 64), (300, 300)]:
+        for offset in sorted({0, 5, max(0, m - n)}):
+            q, k, v, grad_out = make_inputs(n, m, heads=4, kv_heads=kv_heads, batch=2, dim=4)
+            kwargs = dict(is_causal=is_causal, key_padding_mask=padding_mask(2, m) if padded else None,
+                          offset=offset, alibi_slopes=SLOPES.double())
+            ours = outputs_and_grads(q, k, v, grad_out, block_q=blocks[0], block_k=blocks[1], **kwargs)
+            theirs = variant_outputs_and_grads(q, k, v, grad_out, **kwargs)
+            assert max_error(ours, theirs) <= 1e-10, (n, m, offset)
+
+
+def test_lse_holds_the_alibi_bias():
+    q, k, v, _ = make_inputs(9, 13, heads=4, kv_heads=2)
+    _, lse = flash_attention(q, k, v, offset=4, alibi_slopes=SLOPES.double(), block_q=4, block_k=5, return_lse=True)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 2 ** 1.5
+    scores = scores + SLOPES.double()[:, None, None] * (torch.arange(13)[None, :] - torch.arange(4, 13)[:, None])
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), rtol=0, atol=1e-12)
+
+
+def test_key_blocks_past_the_shifted_diagonal_are_skipped():
+    """Query i at key position i + offset: keys past n - 1 + offset are in every query's future."""
+    n, m, offset = 32, 200, 32
+    q, k, v, grad_out = make_inputs(n, m)
+    with torch.no_grad():
+        k[:, :, n + offset:] = float("nan")
+        v[:, :, n + offset:] = float("nan")
+    out, dq, dk, dv = outputs_and_grads(q, k, v, grad_out, is_causal=True, offset=offset, block_q=16, block_k=32)
+    ref = variant_outputs_and_grads(q, k[:, :, :n + offset], v[:, :, :n + offset], grad_out, is_causal=True,
+                                    offset=offset)
+    assert max_error([out, dq, dk[:, :, :n + offset], dv[:, :, :n + offset]], ref) <= 1e-10
+
+
 def test_gradcheck_in_float64_through_the_softcap():
     q, k, v, _ = make_inputs(5, 7, heads=4, kv_heads=2, batch=2, dim=3)
     q = (4 * q).detach().requires_grad_()  # scores beyond the cap
@@ -245,6 +288,17 @@ def test_gradcheck_in_float64_through_the_softcap():
     def fn(q, k, v):
         return flash_attention(q, k, v, is_causal=True, key_padding_mask=mask, softcap=1.3, block_q=2,
                                block_k=3, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_in_float64_through_the_alibi_bias_at_an_offset():
+    q, k, v, _ = make_inputs(5, 7, heads=4, kv_heads=2, batch=2, dim=3)
+    mask = torch.tensor([[True, False, True, True, False, True, True], [True] * 6 + [False]])
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, key_padding_mask=mask, offset=2, softcap=1.3,
+                               alibi_slopes=SLOPES.double(), block_q=2, block_k=3, return_lse=True)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -274,6 +328,11 @@ def _bad_inputs():
         ("is_causal int", (q, k, v), dict(is_causal=1), TypeError, "is_causal must be a bool"),
         ("return_lse str", (q, k, v), dict(return_lse="yes"), TypeError, "return_lse must be"),
         ("softcap zero", (q, k, v), dict(softcap=0.0), ValueError, "softcap must be a positive"),
+        ("offset negative", (q, k, v), dict(offset=-1), ValueError, "offset must be an int >= 0"),
+        ("slopes per kv head", (q, k, v), dict(alibi_slopes=torch.ones(2)), ValueError,
+         "alibi_slopes must hold one slope per query head (H = 4)"),
+        ("slopes int", (q, k, v), dict(alibi_slopes=torch.ones(4, dtype=torch.long)), TypeError,
+         "alibi_slopes must be a floating-point tensor"),
     ]
 
 

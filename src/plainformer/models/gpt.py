@@ -9,7 +9,8 @@ Each `Block` is pre-LN with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
 With n_experts > 0 the FFN of every moe_every-th block after the first first_dense_layers is a
 Mixture-of-Experts layer (`nn.moe`), and the training loss adds its balancing terms averaged over
 those layers: loss = CE + aux_loss_coef · mean_l L_aux + z_loss_coef · mean_l L_z (in eval, CE only).
-With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
+With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P; with "alibi"
+through a bias of the attention scores linear in the distance (each block's attention owns its slopes).
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
 The config is checked when it is built; the modules built from it check nothing again.
@@ -49,7 +50,7 @@ from .activations import FLOAT32, forward_pass, hidden, kv_width, layer_activati
 from .activations import dropout as dropout_bytes
 from .saved import SavedModel, itemsize, unchecked
 
-POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
+POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 
 
 @dataclasses.dataclass
@@ -150,7 +151,8 @@ class Block(nn.Module):
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
                                             dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
-                                            norm_eps=c.norm_eps, softcap=c.attn_softcap, validate_args=False)
+                                            norm_eps=c.norm_eps, softcap=c.attn_softcap,
+                                            alibi=c.pos_encoding == "alibi", validate_args=False)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
@@ -164,7 +166,7 @@ class Block(nn.Module):
         if mask is None:
             cached = 0 if kv_cache is None else kv_cache.length
             mask = AttentionMask.build(x.shape[1], cached + x.shape[1], is_causal=True, cached=cached,
-                                       device=x.device)
+                                       alibi=self.self_attn.alibi_slopes, device=x.device)
         h = self.norm1(x)
         x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache))
         return x + self.dropout2(self.ff(self.norm2(x)))
@@ -332,11 +334,13 @@ class GPT(SavedModel):
         n = idx.shape[1]
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
         rope: Rotation | None = self.rope
+        attn = cast(Block, self.blocks[0]).self_attn  # the mask's variants, the same in every block
         if attention_mask is None:
             positions = None
-            mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
+            mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, alibi=attn.alibi_slopes,
+                                       device=idx.device)
         else:
-            positions, mask = padded_positions_and_mask(attention_mask, offset)
+            positions, mask = padded_positions_and_mask(attention_mask, offset, alibi=attn.alibi_slopes)
             rope = None if self.rope is None else self.rope.at(positions)
         if self.position is not None:
             x = self.position(x, offset=offset, positions=positions)

@@ -20,6 +20,10 @@ learned weight per feature, before the rotary embedding: q_h = RMSNorm(x W_h^Q),
 Soft-capping (Gemma 2's attn_logit_softcapping; `softcap=c`): the scaled scores s = Q Kᵀ · scale become
 c · tanh(s / c), bounded by ±c, before the mask is added and the softmax taken. torch's sdpa cannot
 express it: `auto` takes another path, and backend="sdpa" with a softcap is refused.
+
+ALiBi (Press et al. 2022; `alibi=True`): head h's score of query i for key j gets -m_h · (i - j), with the
+slopes m_h of `positional.alibi_slopes`; the attention owns the slopes, the batch's `AttentionMask` adds
+the bias (a dense additive mask for math and sdpa, the slopes themselves for flash).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import Tensor, nn
 from .. import _checks
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
 from .normalization import RMSNorm
+from .positional import alibi_slopes
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -190,7 +195,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dr
                          f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
                          f"{mask.attn_mask.dtype}")
     out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale,
-                          softcap=softcap)
+                          offset=mask.offset, softcap=softcap, alibi_slopes=mask.alibi)
     return cast(Tensor, out)  # without return_lse, the output alone
 
 
@@ -202,16 +207,16 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dro
     auto picks it, except for bf16 with several queries and at most 512 keys (training a small GPT):
     there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
     n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
-    On CUDA with a key-padding (or no) mask and no dropout, our Triton FlashAttention is used when
-    triton is installed; otherwise sdpa again. Soft-capped scores take the math path: neither sdpa nor
-    the Triton kernel computes the cap.
+    On CUDA with a key-padding (or no) mask, top-left causality (if any) and no dropout, our Triton
+    FlashAttention is used when triton is installed; otherwise sdpa again, with ALiBi as its additive
+    mask. Soft-capped scores take the math path: neither sdpa nor the Triton kernel computes the cap.
     """
     if backend != "auto":
         return backend
     if softcap is not None:
         return "math"
-    if (q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and mask.attn_mask is None
-            and _triton_available()):
+    triton_takes = mask.attn_mask is None and mask.alibi is None and (not mask.is_causal or mask.offset == 0)
+    if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and triton_takes and _triton_available():
         return "flash"
     if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
         return "math"
@@ -292,6 +297,8 @@ class MultiHeadAttention(nn.Module):
     qk_norm adds `q_norm` and `k_norm` (RMSNorm over d_k, eps norm_eps, one weight shared by the heads, as
     Qwen3's `self_attn.q_norm` / `k_norm`), applied to each head's query and key before rope.
     softcap c bounds the scaled scores by c · tanh(s / c) (Gemma 2), on every path but sdpa.
+    alibi adds ALiBi's biases -m_h · (i - j) to the scores of self-attention: the slopes are the buffer
+    `alibi_slopes` (h,), not saved, which `mask_for` (or the model building the batch's mask) hands the mask.
 
     `forward` checks its arguments and combines the masks, unless it is handed the batch's
     `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
@@ -305,7 +312,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
-                 softcap: float | None = None, validate_args: bool = True):
+                 softcap: float | None = None, alibi: bool = False, validate_args: bool = True):
         super().__init__()
         if validate_args:
             check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend, softcap)
@@ -321,6 +328,8 @@ class MultiHeadAttention(nn.Module):
         self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
 
     def split_heads(self, x: Tensor, n_heads: int, norm: nn.Module | None = None) -> Tensor:
         """(B, n, h·d_k) -> (B, h, n, d_k), each head normalised by `norm` over d_k when given."""
@@ -382,7 +391,7 @@ class MultiHeadAttention(nn.Module):
         attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
                                 key_padding_mask=key_padding_mask)
         return AttentionMask.build(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
-                                   attn_mask=attn_mask, device=query.device)
+                                   attn_mask=attn_mask, alibi=self.alibi_slopes, device=query.device)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
                rope: Rotation | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
