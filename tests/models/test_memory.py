@@ -88,6 +88,7 @@ ACTIVATION_CASES = {
     "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
     "gpt attn-softcap": dict(attn_softcap=30.0),
     "gpt alibi": dict(pos_encoding="alibi"),
+    "gpt sliding window": dict(sliding_window=32),
 }
 
 

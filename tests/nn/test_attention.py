@@ -508,3 +508,25 @@ def test_alibi_attention_equals_bloom_attention_with_copied_weights(backend):
         out, weights = ours(x[:1], x[:1], x[:1], is_causal=True, need_weights=True)
         assert_close(ours(x[:1], x[:1], x[:1], is_causal=True), expected[:1], "output")
     assert_close(weights, expected_weights[:1], "weights")
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_a_windowed_attention_sees_the_last_w_positions_and_decodes_them_from_a_rolling_cache(backend):
+    """Query i sees keys i - w < j <= i (torch's sdpa with that boolean mask, float64); decoding through a
+    cache of the same window, which keeps only w positions, gives the same outputs."""
+    torch.manual_seed(0)
+    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=2, window=3, backend=backend).double().eval()
+    x = torch.randn(B, 9, 16, dtype=torch.float64)
+    q = mha.split_heads(mha.W_q(x), 4)
+    k, v = mha.project_kv(x, x)
+    band = torch.ones(9, 9, dtype=torch.bool).tril() & ~torch.ones(9, 9, dtype=torch.bool).tril(-3)
+    heads = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
+    expected = mha.W_o(heads.transpose(1, 2).reshape(B, 9, 16))
+    assert_close(mha(x, x, x, is_causal=True), expected, "full")
+    cache = pf.KVCache(B, 2, max_len=9, head_dim=4, window=3, dtype=torch.float64)
+    chunks = [(0, 2), (2, 3), (3, 4), (4, 8), (8, 9)]
+    decoded = torch.cat([mha(x[:, a:b], x[:, a:b], x[:, a:b], is_causal=True, kv_cache=cache) for a, b in chunks], 1)
+    assert cache.length == 9 and cache.keys().shape[2] == 3
+    assert_close(decoded, expected, "decoded")
+    with pytest.raises(ValueError, match="kv_cache keeps a window of 4 positions but this attention's window is 3"):
+        mha(x, x, x, is_causal=True, kv_cache=pf.KVCache(B, 2, max_len=9, head_dim=4, window=4))

@@ -120,3 +120,22 @@ def test_alibi_makes_the_dense_mask_additive_minus_slope_times_the_distance():
             expected[b, h, i, j] = -slopes[h] * (3 + i - j)
     assert torch.equal(mask.dense.expand(B, H, 2, 5), expected)
     assert torch.equal(mask.additive_for(torch.float32).expand(B, H, 2, 5), expected)
+
+
+@pytest.mark.parametrize("n, m, cached", [(7, 7, 0), (3, 8, 5), (2, 4, 2)])
+def test_a_window_lets_query_i_see_the_keys_of_mistrals_sliding_window(n, m, cached):
+    """transformers' sliding_window_overlay: key j is visible to query i iff i - w < j <= i (i at cached + i)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    visible = sliding_window_causal_mask_function(3)
+    batch, head = torch.tensor(0), torch.tensor(0)
+    expected = visible(batch, head, cached + torch.arange(n)[:, None], torch.arange(m)[None, :])
+    mask = AttentionMask.build(n, m, is_causal=True, cached=cached, window=3)
+    assert mask.window == 3 and not mask.only_causal
+    assert torch.equal(mask.dense.expand(n, m), expected)
+
+
+def test_a_window_that_hides_no_key_is_dropped():
+    assert AttentionMask.build(3, 3, is_causal=True, window=3).window is None  # query 2 sees keys 0 .. 2
+    assert AttentionMask.build(1, 4, is_causal=True, cached=3, window=4) == AttentionMask.build(1, 4, cached=3)
+    assert AttentionMask.build(4, 4, is_causal=True, window=3).window == 3

@@ -67,6 +67,14 @@ def qwen3(config: pf.GPTConfig) -> transformers.PreTrainedModel:
     return transformers.Qwen3ForCausalLM(hf).eval()
 
 
+def mistral(config: pf.GPTConfig) -> transformers.PreTrainedModel:
+    """MistralForCausalLM of the GPT's shape with its sliding_window, eager attention (the window as a mask:
+    key j is visible to query i iff i - sliding_window < j <= i, transformers' `sliding_window_overlay`)."""
+    hf = transformers.MistralConfig(**_common(config), sliding_window=config.sliding_window)
+    hf._attn_implementation = "eager"
+    return transformers.MistralForCausalLM(hf).eval()
+
+
 def copy_into(ours: pf.GPT, theirs: transformers.PreTrainedModel) -> None:
     """Every parameter of ours into its namesake of theirs; each of theirs must be written exactly once
     (a tied head is the embedding in both)."""

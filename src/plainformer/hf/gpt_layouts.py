@@ -243,9 +243,8 @@ def _mixtral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     block_size = hf["max_position_embeddings"]
     window = hf.get("sliding_window")
     if window is not None and window < block_size:
-        raise ValueError(f"sliding_window={window} is not supported: plainformer's attention sees every "
-                         f"earlier position (sliding_window must be null or at least max_position_embeddings="
-                         f"{block_size})")
+        raise ValueError(f"sliding_window={window} is not supported: the Mixtral layout here reads no window "
+                         f"(sliding_window must be null or at least max_position_embeddings={block_size})")
     if hf.get("router_jitter_noise", 0.0):
         raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported: plainformer's "
                          "router takes its input unperturbed (router_jitter_noise must be 0)")
@@ -293,7 +292,7 @@ MIXTRAL = _rotary_layout(
 LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
 # Attention variants none of the layouts above computes, at the value that switches each off.
-_NO_LAYOUT = {"qk_norm": False, "attn_softcap": None}
+_NO_LAYOUT = {"qk_norm": False, "attn_softcap": None, "sliding_window": None}
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:

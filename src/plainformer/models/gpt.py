@@ -76,6 +76,7 @@ class GPTConfig(Config):
     # Attention variants, each off by default (nn/attention.py): see the README's table.
     qk_norm: bool = False
     attn_softcap: float | None = positive(None)
+    sliding_window: int | None = positive_int(None)
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
     n_experts: int = non_negative_int(0)
     top_k: int = positive_int(2)
@@ -152,7 +153,8 @@ class Block(nn.Module):
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
                                             dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
                                             norm_eps=c.norm_eps, softcap=c.attn_softcap,
-                                            alibi=c.pos_encoding == "alibi", validate_args=False)
+                                            alibi=c.pos_encoding == "alibi", window=c.sliding_window,
+                                            validate_args=False)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
@@ -164,9 +166,10 @@ class Block(nn.Module):
         builds once for all its blocks (default: built here). kv_cache: x holds the positions after
         the cached ones."""
         if mask is None:
-            cached = 0 if kv_cache is None else kv_cache.length
-            mask = AttentionMask.build(x.shape[1], cached + x.shape[1], is_causal=True, cached=cached,
-                                       alibi=self.self_attn.alibi_slopes, device=x.device)
+            keys = x.shape[1] if kv_cache is None else kv_cache.attended(x.shape[1])
+            mask = AttentionMask.build(x.shape[1], keys, is_causal=True, cached=keys - x.shape[1],
+                                       window=self.self_attn.window, alibi=self.self_attn.alibi_slopes,
+                                       device=x.device)
         h = self.norm1(x)
         x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache))
         return x + self.dropout2(self.ff(self.norm2(x)))
@@ -208,10 +211,10 @@ def _moe_activations(c: GPTConfig, keys: int) -> int:
 
 def decoding_bytes(config: GPTConfig, rows: int, prompt_len: int, dtype: torch.dtype = torch.float32) -> int:
     """The bytes beyond the model's own of sampling `rows` rows from a GPT in `dtype` at once: a KV cache
-    of block_size positions per layer and row, the prompt's forward pass (the logits of its last
-    position only) and the float32 logits of each step."""
+    of block_size positions (at most sliding_window) per layer and row, the prompt's forward pass (the
+    logits of its last position only) and the float32 logits of each step."""
     c, size = config, itemsize(dtype)
-    caches = c.n_layers * 2 * kv_width(c) * c.block_size * size
+    caches = c.n_layers * 2 * kv_width(c) * min(c.block_size, c.sliding_window or c.block_size) * size
     prompt = forward_pass(c, 1, min(prompt_len, c.block_size), size, 0)
     return rows * (caches + prompt + FLOAT32 * 3 * c.vocab_size)
 
@@ -335,12 +338,14 @@ class GPT(SavedModel):
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
         rope: Rotation | None = self.rope
         attn = cast(Block, self.blocks[0]).self_attn  # the mask's variants, the same in every block
+        keys = n if kv_caches is None else kv_caches[0].attended(n)  # a window's cache attends its last keys
         if attention_mask is None:
             positions = None
-            mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, alibi=attn.alibi_slopes,
-                                       device=idx.device)
+            mask = AttentionMask.build(n, keys, is_causal=True, cached=keys - n, window=attn.window,
+                                       alibi=attn.alibi_slopes, device=idx.device)
         else:
-            positions, mask = padded_positions_and_mask(attention_mask, offset, alibi=attn.alibi_slopes)
+            positions, mask = padded_positions_and_mask(attention_mask, offset, keys=keys, window=attn.window,
+                                                        alibi=attn.alibi_slopes)
             rope = None if self.rope is None else self.rope.at(positions)
         if self.position is not None:
             x = self.position(x, offset=offset, positions=positions)
@@ -371,12 +376,14 @@ class GPT(SavedModel):
     # ------------------------------------------------------------------ generation
 
     def new_kv_caches(self, batch_size: int) -> list[KVCache]:
-        """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block."""
+        """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block; with a sliding window w,
+        (B, n_kv_heads, min(w, block_size), head_dim), rolling."""
         _checks.check_positive_int("batch_size", batch_size)
         parameter = self.token_embedding.weight
         n_kv_heads = self.config.n_kv_heads or self.config.n_heads
         return [KVCache(batch_size, n_kv_heads, self.config.block_size, self.config.head_dim,
-                        dtype=parameter.dtype, device=parameter.device, validate_args=False)
+                        dtype=parameter.dtype, device=parameter.device, window=self.config.sliding_window,
+                        validate_args=False)
                 for _ in range(self.config.n_layers)]
 
     def decoder(self) -> GPTDecoder:

@@ -24,6 +24,10 @@ express it: `auto` takes another path, and backend="sdpa" with a softcap is refu
 ALiBi (Press et al. 2022; `alibi=True`): head h's score of query i for key j gets -m_h · (i - j), with the
 slopes m_h of `positional.alibi_slopes`; the attention owns the slopes, the batch's `AttentionMask` adds
 the bias (a dense additive mask for math and sdpa, the slopes themselves for flash).
+
+Sliding-window attention (Mistral; `window=w`): query i sees only the last w positions, keys j with
+i - w < j <= i; the batch's mask holds the window (a boolean mask for math and sdpa, the band itself for
+flash, which skips the key blocks outside it), and a KV cache of the same window keeps only w positions.
 """
 
 from __future__ import annotations
@@ -195,7 +199,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dr
                          f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
                          f"{mask.attn_mask.dtype}")
     out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale,
-                          offset=mask.offset, softcap=softcap, alibi_slopes=mask.alibi)
+                          offset=mask.offset, window=mask.window, softcap=softcap, alibi_slopes=mask.alibi)
     return cast(Tensor, out)  # without return_lse, the output alone
 
 
@@ -208,14 +212,15 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dro
     there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
     n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
     On CUDA with a key-padding (or no) mask, top-left causality (if any) and no dropout, our Triton
-    FlashAttention is used when triton is installed; otherwise sdpa again, with ALiBi as its additive
-    mask. Soft-capped scores take the math path: neither sdpa nor the Triton kernel computes the cap.
+    FlashAttention is used when triton is installed; otherwise sdpa again, with ALiBi and a sliding window
+    in its mask. Soft-capped scores take the math path: neither sdpa nor the Triton kernel computes the cap.
     """
     if backend != "auto":
         return backend
     if softcap is not None:
         return "math"
-    triton_takes = mask.attn_mask is None and mask.alibi is None and (not mask.is_causal or mask.offset == 0)
+    triton_takes = (mask.attn_mask is None and mask.alibi is None and mask.window is None
+                    and (not mask.is_causal or mask.offset == 0))
     if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and triton_takes and _triton_available():
         return "flash"
     if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
@@ -299,6 +304,8 @@ class MultiHeadAttention(nn.Module):
     softcap c bounds the scaled scores by c · tanh(s / c) (Gemma 2), on every path but sdpa.
     alibi adds ALiBi's biases -m_h · (i - j) to the scores of self-attention: the slopes are the buffer
     `alibi_slopes` (h,), not saved, which `mask_for` (or the model building the batch's mask) hands the mask.
+    window w lets query i see only keys j > i - w (with is_causal, the last w positions), in the mask
+    `mask_for` builds (or the model's); a KV cache handed to it must have the same window or none.
 
     `forward` checks its arguments and combines the masks, unless it is handed the batch's
     `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
@@ -312,16 +319,19 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
-                 softcap: float | None = None, alibi: bool = False, validate_args: bool = True):
+                 softcap: float | None = None, alibi: bool = False, window: int | None = None,
+                 validate_args: bool = True):
         super().__init__()
         if validate_args:
             check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend, softcap)
+            if window is not None:
+                _checks.check_positive_int("window", window)
             if qk_norm:
                 _checks.check_positive_number("norm_eps", norm_eps)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
-        self.dropout, self.backend, self.softcap = dropout, backend, softcap
+        self.dropout, self.backend, self.softcap, self.window = dropout, backend, softcap, window
         self.W_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
@@ -386,12 +396,14 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None and kv_cache.static:
             m = kv_cache.length or m  # a filled memory cache is used as it is
         elif kv_cache is not None:
-            cached, m = kv_cache.length, kv_cache.length + m
+            m = kv_cache.attended(m)  # a window's cache attends the last of its positions only
+            cached = m - key.shape[1]
         batch, n = query.shape[:2]
         attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
                                 key_padding_mask=key_padding_mask)
         return AttentionMask.build(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
-                                   attn_mask=attn_mask, alibi=self.alibi_slopes, device=query.device)
+                                   attn_mask=attn_mask, window=self.window, alibi=self.alibi_slopes,
+                                   device=query.device)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
                rope: Rotation | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -406,13 +418,13 @@ class MultiHeadAttention(nn.Module):
                       rope: Rotation | None = None,
                       need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
-        to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
-        with cached=P)."""
+        to the m = `cache.attended(n)` keys it returns: all P + n, or a window's last. `mask` is built for
+        n queries over those m keys (`AttentionMask.build` with cached=m - n)."""
         q = self.project_q(query)  # (B, h, n, d_k)
         k, v = self.project_kv(key, value)  # (B, h_kv, n, d_k)
         if rope is not None:
             q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
-        k, v = cache.append(k, v)  # (B, h_kv, P + n, d_k)
+        k, v = cache.append(k, v)  # (B, h_kv, m, d_k)
         return self._attend(q, k, v, mask, need_weights)
 
     def attend_memory(self, query: Tensor, memory: KVCache, mask: AttentionMask = NO_MASK, *,
@@ -456,6 +468,9 @@ class MultiHeadAttention(nn.Module):
                              f"{tuple(query.shape)} and key {tuple(key.shape)}")
         if kv_cache is not None and not (kv_cache.static and kv_cache.length):
             kv_cache.check_fits("k", (key.shape[0], self.n_kv_heads, key.shape[1], self.head_dim))
+        if kv_cache is not None and kv_cache.window not in (None, self.window):
+            raise ValueError(f"kv_cache keeps a window of {kv_cache.window} positions but this attention's window "
+                             f"is {self.window}: build the cache with window={self.window}")
         if rope is not None:
             check_rope(rope, self.head_dim, 0 if kv_cache is None or kv_cache.static else kv_cache.length,
                        query.shape[1])

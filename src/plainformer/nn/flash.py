@@ -28,7 +28,9 @@ tile, where S becomes
 Soft-capping (Gemma 2, `softcap=c`) bounds the scores, and the backward multiplies dS by the cap's derivative
 1 - tanh²; in base 2 it is the same cap with c·log₂e (log₂e·c·tanh(S/c) = c'·tanh(S'/c') for S' = log₂e·S,
 c' = log₂e·c). ALiBi (Press et al. 2022, `alibi_slopes` m_h) adds a bias linear in the distance, no
-gradient.
+gradient. A sliding window (Mistral, `window` w) hides the keys j <= i + offset - w; the key blocks that
+lie wholly outside every window of a query block are skipped like those in its causal future, so
+causal attention with a window costs O(n·w), not O(n·m).
 
 Conventions: q (B, H, n, d), k (B, H_kv, m, d), v (B, H_kv, m, d_v), H_kv dividing H (grouped-query
 attention: query head h reads key/value head h // (H / H_kv)). `key_padding_mask` (B, m) is True for
@@ -78,18 +80,19 @@ class _Terms:
     is_causal: bool = False
     key_padding_mask: Tensor | None = None
     offset: int = 0
+    window: int | None = None
     softcap: float | None = None
     alibi_slopes: Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """Only top-left causality and key padding: what the Triton kernel computes."""
-        return self.offset == 0 and self.softcap is None and self.alibi_slopes is None
+        return self.offset == 0 and self.window is None and self.softcap is None and self.alibi_slopes is None
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
                     key_padding_mask: Tensor | None = None, scale: float | None = None, offset: int = 0,
-                    softcap: float | None = None, alibi_slopes: Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None, alibi_slopes: Tensor | None = None,
                     block_q: int | None = None, block_k: int | None = None,
                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """softmax(scale · Q Kᵀ) V tile by tile, never storing the (n, m) scores; see the module doc.
@@ -98,17 +101,19 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False,
     key_padding_mask: (B, m) bool, True = real token (False keys are never attended).
     offset: query i sits at key position i + offset (0: top-left aligned, as torch's is_causal).
     is_causal: query i attends keys j <= i + offset.
+    window w: query i attends only keys j > i + offset - w (with is_causal: the last w, itself included).
     scale: defaults to 1/√d. softcap c: the scores become c·tanh(scale · Q Kᵀ / c) before masking.
     alibi_slopes (H,): ALiBi's m_h; head h's scores get m_h · (j - i - offset).
     block_q, block_k: tile sizes in query/key positions (defaults DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K).
     fp16/bf16 inputs are computed in fp32, the results cast back. CUDA tensors go to the Triton kernel
     (plainformer.flash_triton) when triton is installed, the dtype is fp16/bf16/fp32, d, d_v <= 256 and
-    there is no variant (offset 0, no softcap, no ALiBi); there block_q/block_k must be powers of two >= 16.
+    there is no variant (offset 0, no window, softcap or ALiBi); there block_q/block_k must be powers of two
+    >= 16.
 
     Returns out (B, H, n, d_v), and with return_lse also L = logsumexp of each score row (B, H, n)
     (float32, or float64 for float64 inputs; -inf for rows that see no key), differentiable too.
     """
-    terms = _Terms(is_causal, key_padding_mask, offset, softcap, alibi_slopes)
+    terms = _Terms(is_causal, key_padding_mask, offset, window, softcap, alibi_slopes)
     scale = _check_inputs(q, k, v, terms, scale, block_q, block_k, return_lse)
     triton_attention = _triton_function(q, v) if terms.plain else None
     if triton_attention is not None:
@@ -148,6 +153,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, terms: _Terms, scale: float |
     if terms.key_padding_mask is not None:
         _checks.check_key_padding_mask("key_padding_mask", terms.key_padding_mask, batch, k.shape[2], q.device)
     _checks.check_non_negative_int("offset", terms.offset)
+    if terms.window is not None:
+        _checks.check_positive_int("window", terms.window)
     if terms.softcap is not None:
         _checks.check_positive_number("softcap", terms.softcap)
     if terms.alibi_slopes is not None:
@@ -203,12 +210,15 @@ class _Tiles:
 
     Query block i covers positions [i0, i1), key block j covers keys [j0, j1). Under the causal
     mask, a key block with j0 > i1 - 1 + offset lies entirely in the future of the query block and is
-    skipped; one with j1 - 1 > i0 + offset straddles the diagonal and is masked element-wise.
+    skipped; one with j1 - 1 > i0 + offset straddles the diagonal and is masked element-wise. Under a
+    window w, one with j1 - 1 <= i0 + offset - w lies before every query's window and is skipped; one
+    with j0 <= i1 - 1 + offset - w straddles the window's edge and is masked element-wise.
     """
 
     def __init__(self, n: int, m: int, groups: int, batch: int, block_q: int, block_k: int, terms: _Terms,
                  dtype: torch.dtype, device: torch.device):
         self.groups, self.batch, self.is_causal, self.offset = groups, batch, terms.is_causal, terms.offset
+        self.window = terms.window
         self.softcap2 = None if terms.softcap is None else terms.softcap * LOG2E  # the cap in base-2 units
         self.slopes2 = (None if terms.alibi_slopes is None  # base 2, (H_kv, G): head h = kv head · G + g
                         else (terms.alibi_slopes.to(dtype) * LOG2E).view(-1, groups))
@@ -224,7 +234,7 @@ class _Tiles:
             self.padding = self._bias(~key_padding_mask)
             padded_keys = (~key_padding_mask).any(dim=0).tolist()  # (m,)
             self.padded = [any(padded_keys[j0:j1]) for j0, j1 in self.keys]
-        self._causal: dict[tuple[int, int, int], Tensor] = {}
+        self._band: dict[tuple[int, int, int], Tensor] = {}
         self._distances: dict[tuple[int, int], Tensor] = {}
 
     def cap_(self, scores: Tensor, tanh: Tensor | None = None) -> Tensor | None:
@@ -240,7 +250,14 @@ class _Tiles:
         return tanh
 
     def visible(self, i: int, j: int) -> bool:
-        return not self.is_causal or self.keys[j][0] <= self.queries[i][1] - 1 + self.offset
+        """Some query of block i sees some key of block j."""
+        (i0, i1), (j0, j1) = self.queries[i], self.keys[j]
+        return ((not self.is_causal or j0 <= i1 - 1 + self.offset)
+                and (self.window is None or j1 - 1 > i0 + self.offset - self.window))
+
+    def key_blocks(self, i: int) -> list[int]:
+        """The key blocks query block i sees: one contiguous run (causality ends it, a window starts it)."""
+        return [j for j in range(len(self.keys)) if self.visible(i, j)]
 
     def bias_(self, scores: Tensor, i: int, j: int) -> Tensor:
         """Add the tile's biases to the score tile (B·H_kv, rows, cols), in place: -inf at its masked
@@ -253,22 +270,27 @@ class _Tiles:
         tile = scores.view(self.batch, -1, scores.shape[1], scores.shape[2])  # (B, H_kv, rows, cols)
         if self.padding is not None and self.padded is not None and self.padded[j]:
             tile.add_(self.padding[:, None, None, j0:j1])
-        if self.is_causal and j1 - 1 > i0 + self.offset:
-            scores.add_(self._causal_bias(i0, i1, j0, j1))
+        if ((self.is_causal and j1 - 1 > i0 + self.offset)
+                or (self.window is not None and j0 <= i1 - 1 + self.offset - self.window)):
+            scores.add_(self._band_bias(i0, i1, j0, j1))
         if self.slopes2 is not None:
             slopes = self.slopes2.repeat(1, i1 - i0).unsqueeze(-1)  # (H_kv, rows, 1): row r is head r % G
             tile.addcmul_(slopes, self._distance(i1 - i0, j1 - j0) + (j0 - i0 - self.offset))
         return scores
 
-    def _causal_bias(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
-        """(rows, cols) bias, -inf where the row's query position i + offset < key j; cached, since it
-        depends only on i0 - j0 and the tile's size."""
+    def _band_bias(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """(rows, cols) bias, -inf where key j is in the future of the row's query (j > i + offset, when
+        causal) or before its window (j <= i + offset - w); cached, since it depends only on i0 - j0 and
+        the tile's size."""
         key = (i0 - j0, i1 - i0, j1 - j0)
-        if key not in self._causal:
+        if key not in self._band:
             position = torch.arange(i0, i1, device=self.device).repeat_interleave(self.groups)
-            keys = torch.arange(j0, j1, device=self.device)
-            self._causal[key] = self._bias(position[:, None] + self.offset < keys[None, :])
-        return self._causal[key]
+            distance = torch.arange(j0, j1, device=self.device)[None, :] - (position[:, None] + self.offset)
+            hidden = (distance > 0) & self.is_causal  # j - (i + offset), (rows, cols)
+            if self.window is not None:
+                hidden |= distance <= -self.window
+            self._band[key] = self._bias(hidden)
+        return self._band[key]
 
     def _distance(self, positions: int, cols: int) -> Tensor:
         """(rows, cols): c - r // G, the distance j - i within a tile of `positions` query positions."""
@@ -311,9 +333,8 @@ def _forward(q_blocks: list[Tensor], k: Tensor, v: Tensor, tiles: _Tiles) -> tup
         acc = q_i.new_zeros(q_i.shape[0], rows, v.shape[-1])
         row_max = q_i.new_full((q_i.shape[0], rows), float("-inf"))
         row_sum = q_i.new_zeros(q_i.shape[0], rows)
-        for j, (j0, j1) in enumerate(tiles.keys):
-            if not tiles.visible(i, j):
-                break
+        for j in tiles.key_blocks(i):
+            j0, j1 = tiles.keys[j]
             scores = torch.bmm(q_i, k[:, j0:j1].transpose(1, 2), out=scores_of(rows, j1 - j0))
             tiles.cap_(scores)
             tiles.bias_(scores, i, j)
