@@ -262,6 +262,10 @@ def _refusal(case: str):
         return _variant("gpt2", activation="gelu"), {}
     if case == "sinusoidal":
         return _variant("gpt2", pos_encoding="sinusoidal"), {}
+    if case in ("qk_norm", "attn_softcap", "sliding_window", "alibi"):
+        variant = {"qk_norm": dict(qk_norm=True), "attn_softcap": dict(attn_softcap=30.0),
+                   "sliding_window": dict(sliding_window=8), "alibi": dict(pos_encoding="alibi")}[case]
+        return _variant("llama-tied", **variant), {}
     text = pf.load_text()[:20_000]
     tokenizer = (pf.WordPieceTokenizer.train(text, 100) if case == "wordpiece"
                  else pf.BPETokenizer.train(text, 256))  # no special token: no end-of-text
@@ -273,6 +277,10 @@ def _refusal(case: str):
     ("dtype", "dtype must be one of"),
     ("gelu-erf", "activation='gelu' has no GGUF layout here: llama.cpp's gpt2 computes GELU's tanh approximation"),
     ("sinusoidal", "pos_encoding='sinusoidal' has no Hugging Face layout"),
+    ("qk_norm", "qk_norm=True has no Hugging Face layout here"),
+    ("attn_softcap", "attn_softcap=30.0 has no Hugging Face layout here"),
+    ("sliding_window", "sliding_window=8 has no Hugging Face layout here"),
+    ("alibi", "pos_encoding='alibi' has no Hugging Face layout"),
     ("wordpiece", "a wordpiece tokenizer has no GGUF form here"),
     ("bpe-without-eos", "a BPE tokenizer without an end-of-text token has no GGUF form here"),
 ])

@@ -186,6 +186,29 @@ def test_attn_softcap_gpt_equals_llama_with_gemma2_soft_capped_attention(backend
         assert (logits - theirs(idx).logits).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("variants", [
+    dict(pos_encoding="alibi", n_kv_heads=2, qk_norm=True, sliding_window=5),
+    dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True, attn_softcap=0.05, sliding_window=3),
+    dict(pos_encoding="alibi", attn_softcap=0.05, bias=True, dropout=0.0),
+], ids=["alibi-gqa-qk-norm-window", "rope-qk-norm-softcap-window", "alibi-softcap"])
+def test_every_backend_trains_the_same_gpt_with_the_attention_variants(variants):
+    """Logits, loss and every gradient of math, sdpa (where it computes the variants: no soft-cap) and flash,
+    in float64: our own paths, equal to 1e-10; the references above pin each variant to a released model."""
+    idx, targets = _tokens(2, TINY["block_size"]), _tokens(2, TINY["block_size"], seed=2)
+    results = {}
+    for backend in ("math", "sdpa", "flash"):
+        if backend == "sdpa" and "attn_softcap" in variants:
+            continue
+        model = _gpt(backend=backend, **variants).double().train()
+        llama_family.randomize(model)
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results[backend] = [logits, loss] + [p.grad for p in model.parameters()]
+    for backend, result in results.items():
+        for i, (a, b) in enumerate(zip(result, results["math"], strict=True)):
+            assert_close(a, b, f"{backend}: output {i}")
+
+
 # ----------------------------------------------------------------------------- config and inputs
 
 @pytest.mark.parametrize("field, value", [

@@ -235,7 +235,7 @@ class _Tiles:
             padded_keys = (~key_padding_mask).any(dim=0).tolist()  # (m,)
             self.padded = [any(padded_keys[j0:j1]) for j0, j1 in self.keys]
         self._band: dict[tuple[int, int, int], Tensor] = {}
-        self._distances: dict[tuple[int, int], Tensor] = {}
+        self._alibi_tiles: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     def cap_(self, scores: Tensor, tanh: Tensor | None = None) -> Tensor | None:
         """S ← c'·tanh(S/c') in place where soft-capped; with `tanh`, tanh(S/c') is kept there (for the
@@ -274,8 +274,8 @@ class _Tiles:
                 or (self.window is not None and j0 <= i1 - 1 + self.offset - self.window)):
             scores.add_(self._band_bias(i0, i1, j0, j1))
         if self.slopes2 is not None:
-            slopes = self.slopes2.repeat(1, i1 - i0).unsqueeze(-1)  # (H_kv, rows, 1): row r is head r % G
-            tile.addcmul_(slopes, self._distance(i1 - i0, j1 - j0) + (j0 - i0 - self.offset))
+            slopes, distance = self._alibi(self.slopes2, i1 - i0, j1 - j0)
+            tile.addcmul_(slopes, distance + (j0 - i0 - self.offset))
         return scores
 
     def _band_bias(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
@@ -292,13 +292,16 @@ class _Tiles:
             self._band[key] = self._bias(hidden)
         return self._band[key]
 
-    def _distance(self, positions: int, cols: int) -> Tensor:
-        """(rows, cols): c - r // G, the distance j - i within a tile of `positions` query positions."""
-        if (positions, cols) not in self._distances:
+    def _alibi(self, slopes2: Tensor, positions: int, cols: int) -> tuple[Tensor, Tensor]:
+        """For a tile of `positions` query positions and `cols` keys: each row's slope of `slopes2` (H_kv, G),
+        (H_kv, rows, 1) (row r is head r % G), and c - r // G (rows, cols), the distance j - i less the tile's
+        j0 - i0; cached."""
+        if (positions, cols) not in self._alibi_tiles:
+            slopes = slopes2.repeat(1, positions).unsqueeze(-1)
             rows = torch.arange(positions, device=self.device, dtype=self.dtype).repeat_interleave(self.groups)
-            self._distances[positions, cols] = (torch.arange(cols, device=self.device, dtype=self.dtype)[None, :]
-                                                - rows[:, None])
-        return self._distances[positions, cols]
+            distance = torch.arange(cols, device=self.device, dtype=self.dtype)[None, :] - rows[:, None]
+            self._alibi_tiles[positions, cols] = slopes, distance
+        return self._alibi_tiles[positions, cols]
 
     def _bias(self, masked: Tensor) -> Tensor:
         return torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(
