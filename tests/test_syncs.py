@@ -69,6 +69,25 @@ def test_a_gpt_with_every_issue_49_variant_trains_and_decodes_padded_prompts_wit
     assert count_syncs(lambda: model.generate(prompts, 20, temperature=1.0, generator=generators)) <= 20 + 2
 
 
+@pytest.mark.parametrize("variants", [
+    dict(pos_encoding="alibi", qk_norm=True, attn_softcap=30.0, sliding_window=6, backend="math"),
+    dict(pos_encoding="alibi", qk_norm=True, sliding_window=6, backend="sdpa"),
+    dict(pos_encoding="rope", qk_norm=True, attn_softcap=30.0, sliding_window=6, backend="flash"),
+], ids=["math", "sdpa", "flash"])
+def test_the_attention_variants_train_with_no_sync_and_decode_with_one_per_token(variants):
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(**TINY_GPT, **variants)).train()
+    idx, targets = _ids(40, 2, 16), _ids(40, 2, 16)
+
+    def step() -> None:
+        _, loss = model(idx, targets)
+        loss.backward()
+
+    assert count_syncs(step) == 0
+    generator = torch.Generator().manual_seed(1)
+    assert count_syncs(lambda: model.generate(idx[:, :5], 20, temperature=1.0, generator=generator)) <= 20 + 1
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_gpt_generate_performs_at_most_one_sync_per_new_token(use_cache):
     """20 new tokens: at most one sync per step, plus the check of the prompt's ids (one sync)."""

@@ -124,6 +124,37 @@ def test_rows_of_a_model_with_every_issue_49_variant_score_their_tokens_as_its_f
                 assert tokens == full.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("variants", [
+    dict(pos_encoding="alibi", sliding_window=6, qk_norm=True, attn_softcap=0.05),
+    dict(pos_encoding="rope", norm="rmsnorm", sliding_window=5, backend="sdpa"),
+    dict(GPT_VARIANTS_49, pos_encoding="alibi", sliding_window=6, qk_norm=True, attn_softcap=0.05),
+], ids=["alibi-window-qk-norm-softcap", "rope-window-sdpa", "every-issue-49-variant"])
+def test_rows_of_a_windowed_model_draw_what_they_draw_alone(variants):
+    """The attention variants through the shared cache: its rows keep only the window's last positions, and
+    ALiBi and the window follow each row's own positions."""
+    torch.manual_seed(0)
+    windowed = pf.GPT(pf.GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   d_model=32, d_ff=64, **variants)).eval()
+    with torch.no_grad():  # peaked distributions: a wrong logit changes the tokens drawn
+        for parameter in windowed.parameters():
+            parameter.mul_(8.0 if parameter.ndim > 1 else 1.0)
+    running = ContinuousBatcher(windowed.decoder(), max_rows=3, max_queue=32)
+    assert running._caches[0].capacity == variants["sliding_window"]
+    prompts = random_prompts(7, seed=4)
+    settings = [(0.0 if i % 2 else 1.0, 8 + (5 * i) % 17) for i in range(len(prompts))]
+    collectors = [Collector() for _ in prompts]
+    running.start()
+    try:
+        for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
+            running.submit(Job(prompt, new, collectors[i], sampling=Sampling(temperature=temperature), seeds=[50 + i]))
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        running.stop()
+    for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
+        assert collectors[i].tokens() == alone(windowed, prompt, new, temperature, 50 + i), i
+
+
 def test_a_job_of_n_rows_draws_seed_plus_row_for_each(model, batcher):
     collector = Collector(rows=3)
     batcher.submit(Job([3, 1, 4], 12, collector, sampling=Sampling(temperature=0.9, top_k=10), seeds=[7, 8, 9]))

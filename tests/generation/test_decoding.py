@@ -197,10 +197,10 @@ def test_bad_loop_arguments_are_rejected_naming_them(idx, max_new_tokens, match)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-def _tiny_gpt(pos_encoding: str) -> pf.GPT:
+def _tiny_gpt(pos_encoding: str, **variants) -> pf.GPT:
     torch.manual_seed(0)
     return pf.GPT(pf.GPTConfig(vocab_size=23, block_size=12, n_layers=2, n_heads=2, d_model=16, d_ff=32,
-                               pos_encoding=pos_encoding)).eval()
+                               pos_encoding=pos_encoding, **variants)).eval()
 
 
 def _alone(model, prompt, steps, **options):
@@ -210,10 +210,14 @@ def _alone(model, prompt, steps, **options):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
-def test_prompts_of_different_lengths_decode_in_one_batch_as_each_alone(pos_encoding, use_cache):
-    """20 new tokens past block_size 12: every row's window slides on its own, at its own step."""
-    model = _tiny_gpt(pos_encoding)
+@pytest.mark.parametrize("pos_encoding, variants", [
+    ("learned", {}), ("sinusoidal", {}), ("rope", {}), ("alibi", {}),
+    ("rope", dict(sliding_window=4)), ("alibi", dict(sliding_window=5, qk_norm=True, attn_softcap=0.05)),
+], ids=["learned", "sinusoidal", "rope", "alibi", "rope-window", "alibi-window-qk-norm-softcap"])
+def test_prompts_of_different_lengths_decode_in_one_batch_as_each_alone(pos_encoding, variants, use_cache):
+    """20 new tokens past block_size 12: every row's window slides on its own, at its own step (and its
+    attention's sliding window, if any, moves along its own positions in a cache of that window)."""
+    model = _tiny_gpt(pos_encoding, **variants)
     idx, pads = pad_prompts(PROMPTS)
     with torch.no_grad():
         drawn = list(iter_generate(model.decoder(), idx, 20, temperature=0, pads=pads, use_cache=use_cache))

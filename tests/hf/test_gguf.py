@@ -313,6 +313,10 @@ def _refusal(case: str):
         return _variant("gpt2", pos_encoding="sinusoidal"), {}
     if case == "value-residual":
         return _variant("llama-gqa-untied", value_residual=True), {}
+    if case in ("attn_softcap", "sliding_window", "alibi"):
+        variant = {"attn_softcap": dict(attn_softcap=30.0), "sliding_window": dict(sliding_window=8),
+                   "alibi": dict(pos_encoding="alibi")}[case]
+        return _variant("llama-tied", **variant), {}
     text = pf.load_text()[:20_000]
     tokenizer = (pf.WordPieceTokenizer.train(text, 100) if case == "wordpiece"
                  else pf.BPETokenizer.train(text, 256))  # no special token: no end-of-text
@@ -325,6 +329,9 @@ def _refusal(case: str):
     ("relu", "activation='relu' has no GGUF layout here: llama.cpp's gpt2 computes GELU's tanh approximation"),
     ("sinusoidal", "pos_encoding='sinusoidal' has no Hugging Face layout"),
     ("value-residual", "value_residual=True has no Hugging Face or GGUF layout here"),
+    ("attn_softcap", "attn_softcap=30.0 has no Hugging Face or GGUF layout here"),
+    ("sliding_window", "sliding_window=8 has no Hugging Face or GGUF layout here"),
+    ("alibi", "pos_encoding='alibi' has no Hugging Face layout"),
     ("wordpiece", "a wordpiece tokenizer has no GGUF form here"),
     ("bpe-without-eos", "a BPE tokenizer without an end-of-text token has no GGUF form here"),
 ])

@@ -194,6 +194,11 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(MIXTRAL, qk_norm=True), "qk_norm=True has no Hugging Face layout here: Mixtral"),
     (dict(GPT2, qk_norm=True), "qk_norm=True has no Hugging Face layout here with pos_encoding='learned'"),
     (dict(LLAMA, qk_norm=True, bias=True), "bias=True has no Hugging Face layout here: Qwen3 needs bias=False"),
+    (dict(LLAMA, attn_softcap=30.0), "attn_softcap=30.0 has no Hugging Face or GGUF layout here"),
+    (dict(LLAMA, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
+    (dict(MIXTRAL, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
+    (dict(LLAMA, sliding_window=8), "sliding_window=8 has no Hugging Face or GGUF layout here"),
+    (dict(GPT2, sliding_window=8), "sliding_window=8"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))

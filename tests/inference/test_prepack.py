@@ -44,10 +44,15 @@ def test_matches_the_float64_product_up_to_bf16_rounding():
     assert (out.double() - expected).abs().max() <= 2 * 2**-8 * expected.abs().max()
 
 
+# Every attention variant at once: QK-norm, soft-capped scores, ALiBi and a sliding window (its rolling cache).
+VARIANTS = dict(pos_encoding="alibi", qk_norm=True, attn_softcap=0.05, sliding_window=5)
+
+
+@pytest.mark.parametrize("variants", [{}, VARIANTS], ids=["plain", "attention-variants"])
 @pytest.mark.parametrize("tie_weights", [True, False])
-def test_a_prepacked_gpt_decodes_the_float64_model_logits(tie_weights):
+def test_a_prepacked_gpt_decodes_the_float64_model_logits(tie_weights, variants):
     torch.manual_seed(0)
-    model = pf.GPT(pf.GPTConfig(**TINY, tie_weights=tie_weights)).eval()
+    model = pf.GPT(pf.GPTConfig(**TINY, tie_weights=tie_weights, **variants)).eval()
     reference = copy.deepcopy(model).double()
     prompt = torch.randint(TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
     prepack(model)

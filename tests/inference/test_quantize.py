@@ -53,13 +53,19 @@ def test_the_fbgemm_kernel_errs_by_at_most_its_7_bit_activation_step():
     assert ((fbgemm(x) - exact(x)).abs() <= bound).all()
 
 
-def _gpt() -> pf.GPT:
+def _gpt(**variants) -> pf.GPT:
     torch.manual_seed(0)
-    return pf.GPT(pf.GPTConfig(vocab_size=37, block_size=16, n_layers=2, n_heads=2, d_model=32, d_ff=64)).eval()
+    return pf.GPT(pf.GPTConfig(vocab_size=37, block_size=16, n_layers=2, n_heads=2, d_model=32, d_ff=64,
+                               **variants)).eval()
 
 
-def test_a_quantized_gpt_computes_with_the_int8_weights_of_every_linear_layer_and_its_head():
-    model, reference = _gpt(), _gpt()
+# Every attention variant at once: QK-norm, soft-capped scores, ALiBi and a sliding window (its rolling cache).
+VARIANTS = dict(pos_encoding="alibi", qk_norm=True, attn_softcap=0.05, sliding_window=5)
+
+
+@pytest.mark.parametrize("variants", [{}, VARIANTS], ids=["plain", "attention-variants"])
+def test_a_quantized_gpt_computes_with_the_int8_weights_of_every_linear_layer_and_its_head(variants):
+    model, reference = _gpt(**variants), _gpt(**variants)
     pf.quantize(model, kernel="dequant")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, Int8Linear) and model.token_embedding.weight.dtype == torch.float32

@@ -3,6 +3,7 @@ variants of issue 49 against a float64 forward written from their equations, the
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -86,9 +87,11 @@ def test_left_padded_rows_match_hugging_face_given_its_attention_mask_and_positi
     assert not logits.isnan().any()  # padding queries see themselves, so nothing is NaN
 
 
-@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal", "rope"])
-def test_a_padded_row_prefilled_and_decoded_with_a_cache_gives_its_logits_alone(pos_encoding):
-    model = _gpt(pos_encoding=pos_encoding).eval()
+@pytest.mark.parametrize("variant", [dict(pos_encoding="learned"), dict(pos_encoding="sinusoidal"),
+                                     dict(pos_encoding="rope"), dict(pos_encoding="alibi"),
+                                     dict(pos_encoding="alibi", sliding_window=3)], ids=str)
+def test_a_padded_row_prefilled_and_decoded_with_a_cache_gives_its_logits_alone(variant):
+    model = _gpt(**variant).eval()
     idx, real = _left_padded(3, 10)
     step = _tokens(3, 1, seed=2)
     with torch.no_grad():
@@ -150,14 +153,74 @@ def test_qk_norm_gpt_equals_qwen3_with_copied_weights(heads, backend):
         assert_close(ours(idx)[0], theirs(idx).logits, "logits")
 
 
+@pytest.mark.parametrize("heads", [dict(n_kv_heads=2, tie_weights=False), dict(tie_weights=True)],
+                         ids=["gqa-untied", "tied"])
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_sliding_window_gpt_equals_mistral_with_copied_weights(heads, backend):
+    ours = _llama_shaped(sliding_window=5, backend=backend, **heads)
+    theirs = llama_family.mistral(ours.config)
+    llama_family.copy_into(ours, theirs)
+    idx = _tokens(2, TINY["block_size"])  # n = 24 > 2w
+    with torch.no_grad():
+        logits = ours(idx)[0]
+        assert_close(logits, theirs(idx).logits, "logits")
+        theirs.config.sliding_window = None  # Mistral seeing every key: the window changed something
+        assert (logits - theirs(idx).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["math", "flash", "auto"])
+def test_attn_softcap_gpt_equals_llama_with_gemma2_soft_capped_attention(backend, monkeypatch):
+    """Gemma 2's eager attention (attn_logit_softcapping: c·tanh(s/c) of the scaled scores, then the mask)
+    in place of Llama's: a Llama-shaped model whose scores are soft-capped."""
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.llama import modeling_llama
+
+    ours = _llama_shaped(attn_softcap=2.0, n_kv_heads=2, tie_weights=False, backend=backend)
+    theirs = llama_family.llama(ours.config)
+    llama_family.copy_into(ours, theirs)
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward",
+                        functools.partial(modeling_gemma2.eager_attention_forward, softcap=2.0))
+    idx = _tokens(2, TINY["block_size"])
+    with torch.no_grad():
+        logits = ours(idx)[0]
+        assert_close(logits, theirs(idx).logits, "logits")
+        monkeypatch.undo()  # Llama's own attention: the cap changed something
+        assert (logits - theirs(idx).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("variants", [
+    dict(pos_encoding="alibi", n_kv_heads=2, qk_norm=True, sliding_window=5),
+    dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True, attn_softcap=0.05, sliding_window=3),
+    dict(pos_encoding="alibi", attn_softcap=0.05, bias=True, dropout=0.0),
+], ids=["alibi-gqa-qk-norm-window", "rope-qk-norm-softcap-window", "alibi-softcap"])
+def test_every_backend_trains_the_same_gpt_with_the_attention_variants(variants):
+    """Logits, loss and every gradient of math, sdpa (where it computes the variants: no soft-cap) and flash,
+    in float64: our own paths, equal to 1e-10; the references above pin each variant to a released model."""
+    idx, targets = _tokens(2, TINY["block_size"]), _tokens(2, TINY["block_size"], seed=2)
+    results = {}
+    for backend in ("math", "sdpa", "flash"):
+        if backend == "sdpa" and "attn_softcap" in variants:
+            continue
+        model = _gpt(backend=backend, **variants).double().train()
+        llama_family.randomize(model)
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results[backend] = [logits, loss] + [p.grad for p in model.parameters()]
+    for backend, result in results.items():
+        for i, (a, b) in enumerate(zip(result, results["math"], strict=True)):
+            assert_close(a, b, f"{backend}: output {i}")
+
+
 # ----------------------------------------------------------------------------- config and inputs
 
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("block_size", -1), ("n_layers", 0), ("d_ff", 2.5),
-    ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "alibi"), ("norm", "batchnorm"),
+    ("n_heads", 5), ("n_kv_heads", 3), ("dropout", 1.0), ("pos_encoding", "xpos"), ("norm", "batchnorm"),
     ("activation", "tanh"), ("backend", "cuda"), ("norm_eps", 0.0), ("norm_eps", "1e-5"), ("rope_base", 1.0),
     ("logit_softcap", 0.0), ("logit_softcap", -30.0), ("zero_init", 1), ("value_residual", "yes"),
     ("x0_mix", None), ("embed_norm", 1.0), ("token_shift", 0), ("bigram_embedding", "true"),
+    ("qk_norm", "yes"), ("attn_softcap", 0.0), ("attn_softcap", float("inf")), ("sliding_window", 0),
+    ("sliding_window", 2.5),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -288,6 +351,15 @@ CACHE_VARIANTS = {
     "issue 49": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
     "issue 49 moe": dict(GPT_VARIANTS_49, n_experts=4, top_k=2, first_dense_layers=1),
     "qk-norm-gqa-rope": dict(pos_encoding="rope", norm="rmsnorm", n_kv_heads=2, qk_norm=True),
+    "softcap-learned": dict(pos_encoding="learned", attn_softcap=0.05),  # scores at init ~0.05: tanh bends
+    "alibi": dict(pos_encoding="alibi"),
+    "alibi-gqa-softcap-flash": dict(pos_encoding="alibi", n_kv_heads=2, attn_softcap=0.05, backend="flash"),
+    "window-rope": dict(pos_encoding="rope", norm="rmsnorm", sliding_window=5),
+    "window-gqa-sdpa": dict(pos_encoding="rope", n_kv_heads=2, sliding_window=4, backend="sdpa"),
+    "every-variant-flash": dict(pos_encoding="alibi", n_kv_heads=2, qk_norm=True, attn_softcap=0.05,
+                                sliding_window=5, backend="flash"),
+    "every issue 49 variant": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2, qk_norm=True,
+                                   attn_softcap=0.05, sliding_window=5),
 }
 
 
@@ -367,7 +439,7 @@ def _sliding_reference(model: pf.GPT, prompt: torch.Tensor, tokens: torch.Tensor
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal", "issue 49"])
+@pytest.mark.parametrize("variant", ["learned", "rope", "sinusoidal", "issue 49", "alibi", "window-rope"])
 @pytest.mark.parametrize("prompt_length", [5, 30])  # 30 > block_size: the prompt is cut to its last block
 def test_sliding_context_past_block_size_matches_the_documented_windows(variant, prompt_length):
     model = _cache_model(variant)
@@ -382,6 +454,18 @@ def test_sliding_context_past_block_size_matches_the_documented_windows(variant,
         expected = _sliding_reference(model, prompt, tokens)
     assert_close(cached, expected, "cached logits past block_size")
     assert_close(uncached, expected, "uncached logits past block_size")
+
+
+def test_a_windowed_model_decodes_from_caches_of_its_window_and_counts_their_bytes():
+    model = _gpt(pos_encoding="rope", sliding_window=5).double()
+    caches = model.new_kv_caches(2)
+    with torch.no_grad():
+        model(_tokens(2, 9), kv_caches=caches)
+        model(_tokens(2, 1), kv_caches=caches)
+    assert all(c.capacity == 5 and c.length == 10 and c.keys().shape == (2, 4, 5, 8) for c in caches)
+    full = pf.models.gpt.decoding_bytes(model.config.replace(sliding_window=None), 1, 4)
+    windowed = pf.models.gpt.decoding_bytes(model.config, 1, 4)
+    assert full - windowed == TINY["n_layers"] * 2 * TINY["d_model"] * (TINY["block_size"] - 5) * 4
 
 
 def test_generate_runs_in_eval_mode_and_restores_training_mode():

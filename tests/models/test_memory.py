@@ -91,6 +91,9 @@ ACTIVATION_CASES = {
     "gpt issue 49 variants": GPT_VARIANTS_49,
     "gpt issue 49 variants, rope, GQA": dict(GPT_VARIANTS_49, pos_encoding="rope", norm="rmsnorm", n_kv_heads=2),
     "gpt qk-norm": dict(pos_encoding="rope", norm="rmsnorm", qk_norm=True),
+    "gpt attn-softcap": dict(attn_softcap=30.0),
+    "gpt alibi": dict(pos_encoding="alibi"),
+    "gpt sliding window": dict(sliding_window=32),
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import plainformer as pf
+from plainformer.nn.attention import resolve_backend
 from tests.reference.torch_reference import (
     assert_close,
     attention_parameter_grads,
@@ -401,3 +402,131 @@ def test_qk_norm_rms_normalises_each_heads_query_and_key_over_d_k():
     for backend in ("math", "sdpa", "flash"):
         mha.backend = backend
         assert_close(mha(x, x, x, is_causal=True), expected, backend)
+
+
+def _gemma2_attention(q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, softcap: float):
+    """transformers' Gemma 2 eager attention (its attn_logit_softcapping): c·tanh(q kᵀ · d_k^-½ / c) + mask.
+    It takes its softmax in float32 whatever the inputs' dtype: the comparisons are float32's (1e-5)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], training=False, head_dim=q.shape[-1])
+    out, weights = eager_attention_forward(module, q, k, v, additive, softcap=softcap)
+    return out.transpose(1, 2), weights  # its output is (B, n, h, d_v)
+
+
+@pytest.mark.parametrize("impl, kind", [  # flash takes no additive mask
+    (impl, kind) for impl in ("scaled_dot_product_attention", "math", "flash", "auto")
+    for kind in ("none", "causal", "causal+padding", "additive") if (impl, kind) != ("flash", "additive")])
+def test_softcap_equals_gemma2_eager_attention_outputs_and_gradients(impl, kind):
+    n = m = 5
+    q, k, v = _qkv(n, m, torch.float32, heads=4, kv_heads=2)
+    q = 3 * q  # scores well beyond the cap, where tanh bends
+    mask, is_causal, reference_mask = _mask_case(kind, n, m, torch.float32)
+    additive = (None if reference_mask is None else reference_mask if reference_mask.dtype != torch.bool
+                else torch.zeros(reference_mask.shape).masked_fill(~reference_mask, -torch.inf))
+    ours = _forward_backward(_ours(impl), q, k, v, mask=mask, is_causal=is_causal, softcap=1.5)
+    theirs = _forward_backward(lambda q, k, v: _gemma2_attention(q, k, v, additive, 1.5)[0], q, k, v)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs, strict=True):
+        assert_close(a, b, name)
+    if impl == "scaled_dot_product_attention":
+        weights = pf.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, softcap=1.5)[1]
+        assert_close(weights, _gemma2_attention(q, k, v, additive, 1.5)[1], "weights")
+
+
+def test_a_soft_capped_multihead_attention_equals_the_capped_scores_of_every_backend():
+    torch.manual_seed(0)
+    x = 4 * torch.randn(B, 6, 16)
+    outputs = {}
+    for backend in ("math", "flash", "auto"):
+        torch.manual_seed(1)
+        mha = pf.MultiHeadAttention(16, 4, n_kv_heads=2, softcap=2.0, backend=backend)
+        outputs[backend], weights = mha(x, x, x, is_causal=True), mha(x, x, x, is_causal=True, need_weights=True)[1]
+    q = mha.split_heads(mha.W_q(x), 4)
+    k, v = mha.project_kv(x, x)
+    causal = torch.zeros(6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), -torch.inf)
+    heads, expected_weights = _gemma2_attention(q, k, v, causal, 2.0)
+    expected = mha.W_o(heads.transpose(1, 2).reshape(B, 6, 16))
+    for backend, out in outputs.items():
+        assert_close(out, expected, backend)
+    assert_close(weights, expected_weights, "weights")
+
+
+def test_torch_sdpa_cannot_soft_cap_so_asking_for_both_is_refused_naming_the_field():
+    q, k, v = _qkv(3, 3, torch.float32)
+    with pytest.raises(ValueError, match="softcap needs a backend that soft-caps the scores, and torch's sdpa"):
+        pf.attention(q, k, v, backend="sdpa", softcap=2.0)
+    with pytest.raises(ValueError, match="softcap needs a backend"):
+        pf.MultiHeadAttention(16, 4, backend="sdpa", softcap=2.0)
+    with pytest.raises(ValueError, match="softcap must be"):
+        pf.MultiHeadAttention(16, 4, softcap=0.0)
+    with pytest.raises(ValueError, match="attn_softcap needs a backend"):
+        pf.GPTConfig(backend="sdpa", attn_softcap=30.0)
+
+
+def test_auto_takes_the_math_path_for_soft_capped_scores():
+    q, k, v = _qkv(3, 3, torch.float32)
+    assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0) == "sdpa"
+    assert resolve_backend("auto", q, k, pf.nn.AttentionMask(), 0.0, 30.0) == "math"
+
+
+def _bloom_attention_with_our_weights(ours: pf.MultiHeadAttention):
+    """transformers' BloomAttention with our W_q, W_k, W_v fused as its query_key_value, whose rows are
+    (head, [q, k, v], d_k), and W_o as its dense."""
+    import transformers
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+
+    h, d = ours.n_heads, ours.head_dim
+    config = transformers.BloomConfig(hidden_size=ours.d_model, n_head=h, attention_dropout=0.0, hidden_dropout=0.0)
+    theirs = BloomAttention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for kind in ("weight", "bias"):
+            parts = [getattr(linear, kind).view(h, d, -1) for linear in (ours.W_q, ours.W_k, ours.W_v)]
+            getattr(theirs.query_key_value, kind).copy_(torch.stack(parts, dim=1).reshape(3 * h * d, -1).squeeze(-1))
+        theirs.dense.load_state_dict(ours.W_o.state_dict())
+    return theirs
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_alibi_attention_equals_bloom_attention_with_copied_weights(backend):
+    """Bloom adds m_h · j (its `build_alibi_tensor`) where ALiBi's -m_h · (i - j) adds -m_h · i more: a
+    constant of each query's row, which softmax cancels, so outputs and weights are equal."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    torch.manual_seed(0)
+    ours = pf.MultiHeadAttention(24, 6, alibi=True, backend=backend).eval()
+    theirs = _bloom_attention_with_our_weights(ours)
+    x = 2 * torch.randn(B, 7, 24)
+    real = torch.ones(B, 7, dtype=torch.bool)
+    real[1, 5:] = False  # right padding: Bloom's positions (the real tokens' count) are the columns
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril() & real[:, None, None, :]
+    additive = torch.zeros(B, 1, 7, 7).masked_fill(~allowed, -torch.inf)
+    expected, expected_weights = theirs(x, torch.zeros_like(x), build_alibi_tensor(real, 6, torch.float32), additive)
+    with torch.no_grad():
+        assert_close(ours(x, x, x, key_padding_mask=real, is_causal=True), expected, "padded")
+        out, weights = ours(x[:1], x[:1], x[:1], is_causal=True, need_weights=True)
+        assert_close(ours(x[:1], x[:1], x[:1], is_causal=True), expected[:1], "output")
+    assert_close(weights, expected_weights[:1], "weights")
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_a_windowed_attention_sees_the_last_w_positions_and_decodes_them_from_a_rolling_cache(backend):
+    """Query i sees keys i - w < j <= i (torch's sdpa with that boolean mask, float64); decoding through a
+    cache of the same window, which keeps only w positions, gives the same outputs."""
+    torch.manual_seed(0)
+    mha = pf.MultiHeadAttention(16, 4, n_kv_heads=2, window=3, backend=backend).double().eval()
+    x = torch.randn(B, 9, 16, dtype=torch.float64)
+    q = mha.split_heads(mha.W_q(x), 4)
+    k, v = mha.project_kv(x, x)
+    band = torch.ones(9, 9, dtype=torch.bool).tril() & ~torch.ones(9, 9, dtype=torch.bool).tril(-3)
+    heads = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
+    expected = mha.W_o(heads.transpose(1, 2).reshape(B, 9, 16))
+    assert_close(mha(x, x, x, is_causal=True), expected, "full")
+    cache = pf.KVCache(B, 2, max_len=9, head_dim=4, window=3, dtype=torch.float64)
+    chunks = [(0, 2), (2, 3), (3, 4), (4, 8), (8, 9)]
+    decoded = torch.cat([mha(x[:, a:b], x[:, a:b], x[:, a:b], is_causal=True, kv_cache=cache) for a, b in chunks], 1)
+    assert cache.length == 9 and cache.keys().shape[2] == 3
+    assert_close(decoded, expected, "decoded")
+    with pytest.raises(ValueError, match="kv_cache keeps a window of 4 positions but this attention's window is 3"):
+        mha(x, x, x, is_causal=True, kv_cache=pf.KVCache(B, 2, max_len=9, head_dim=4, window=4))

@@ -200,6 +200,161 @@ def test_importing_and_running_needs_no_triton():
     assert result.returncode == 0, result.stderr
 
 
+# ----------------------------------------------------------------------------- attention variants
+# The reference is each variant's equation computed step by step in float64 in the test.
+
+def variant_reference(q, k, v, *, is_causal=False, key_padding_mask=None, scale=None, offset=0, window=None,
+                      softcap=None, alibi_slopes=None):
+    """softmax(c·tanh(s·q kᵀ / c) + m_h·(j - i - offset), masked) v in float64, query i at key position
+    i + offset seeing keys j > i + offset - window, a row without a visible key giving zeros; returns
+    (out, (q, k, v) leaves)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    n, m = q.shape[2], k.shape[2]
+    scores = q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    distance = torch.arange(m)[None, :] - (torch.arange(n)[:, None] + offset)  # j - (i + offset), (n, m)
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.double()[:, None, None] * distance
+    allowed = torch.ones(1, 1, n, m, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & (distance <= 0)
+    if window is not None:
+        allowed = allowed & (distance > -window)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
+    return weights @ v.repeat_interleave(groups, dim=1), (q, k, v)
+
+
+def variant_outputs_and_grads(q, k, v, grad_out, *, block_q=None, block_k=None, **kwargs):
+    out, leaves = variant_reference(q, k, v, **kwargs)
+    return [out, *torch.autograd.grad(out, leaves, grad_out.double())]
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (24, 40)], ids=["blocks32x64", "blocks24x40"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("is_causal,padded", [(False, False), (True, True)], ids=["plain", "causal+padded"])
+def test_softcap_matches_the_capped_scores_in_float64_over_lengths(blocks, kv_heads, is_causal, padded):
+    for n, m in [(7, 65), (65, 200), (200, 64), (513, 513)]:
+        q, k, v, grad_out = make_inputs(n, m, heads=4, kv_heads=kv_heads, batch=2, dim=4)
+        kwargs = dict(is_causal=is_causal, key_padding_mask=padding_mask(2, m) if padded else None, softcap=0.7)
+        ours = outputs_and_grads(q, k, v, grad_out, block_q=blocks[0], block_k=blocks[1], **kwargs)
+        assert max_error(ours, variant_outputs_and_grads(q, k, v, grad_out, **kwargs)) <= 1e-10, (n, m)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # ALiBi's for 4 heads, exact in every dtype
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (24, 40)], ids=["blocks32x64", "blocks24x40"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("is_causal,padded", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "causal", "causal+padded"])
+def test_alibi_at_any_offset_matches_the_biased_scores_in_float64(blocks, kv_heads, is_causal, padded):
+    for n, m in [(1, 65), (7, 65), (65, 200), (200, 64), (300, 300)]:
+        for offset in sorted({0, 5, max(0, m - n)}):
+            q, k, v, grad_out = make_inputs(n, m, heads=4, kv_heads=kv_heads, batch=2, dim=4)
+            kwargs = dict(is_causal=is_causal, key_padding_mask=padding_mask(2, m) if padded else None,
+                          offset=offset, alibi_slopes=SLOPES.double())
+            ours = outputs_and_grads(q, k, v, grad_out, block_q=blocks[0], block_k=blocks[1], **kwargs)
+            theirs = variant_outputs_and_grads(q, k, v, grad_out, **kwargs)
+            assert max_error(ours, theirs) <= 1e-10, (n, m, offset)
+
+
+def test_lse_holds_the_alibi_bias():
+    q, k, v, _ = make_inputs(9, 13, heads=4, kv_heads=2)
+    _, lse = flash_attention(q, k, v, offset=4, alibi_slopes=SLOPES.double(), block_q=4, block_k=5, return_lse=True)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 2 ** 1.5
+    scores = scores + SLOPES.double()[:, None, None] * (torch.arange(13)[None, :] - torch.arange(4, 13)[:, None])
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), rtol=0, atol=1e-12)
+
+
+def test_key_blocks_past_the_shifted_diagonal_are_skipped():
+    """Query i at key position i + offset: keys past n - 1 + offset are in every query's future."""
+    n, m, offset = 32, 200, 32
+    q, k, v, grad_out = make_inputs(n, m)
+    with torch.no_grad():
+        k[:, :, n + offset:] = float("nan")
+        v[:, :, n + offset:] = float("nan")
+    out, dq, dk, dv = outputs_and_grads(q, k, v, grad_out, is_causal=True, offset=offset, block_q=16, block_k=32)
+    ref = variant_outputs_and_grads(q, k[:, :, :n + offset], v[:, :, :n + offset], grad_out, is_causal=True,
+                                    offset=offset)
+    assert max_error([out, dq, dk[:, :, :n + offset], dv[:, :, :n + offset]], ref) <= 1e-10
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (24, 40), (16, 16)], ids=["blocks32x64", "blocks24x40", "blocks16"])
+@pytest.mark.parametrize("window", [1, 17, 64])
+@pytest.mark.parametrize("variant", ["causal", "causal+padded+alibi+softcap", "not-causal"])
+def test_a_sliding_window_at_any_offset_matches_the_banded_scores_in_float64(blocks, window, variant):
+    for n, m in [(1, 65), (7, 65), (65, 200), (200, 200), (300, 300)]:
+        for offset in sorted({0, 5, max(0, m - n)}):
+            q, k, v, grad_out = make_inputs(n, m, heads=4, kv_heads=2, batch=2, dim=4)
+            kwargs = dict(is_causal=variant != "not-causal", offset=offset, window=window)
+            if variant == "causal+padded+alibi+softcap":
+                kwargs.update(key_padding_mask=padding_mask(2, m), alibi_slopes=SLOPES.double(), softcap=0.7)
+            ours = outputs_and_grads(q, k, v, grad_out, block_q=blocks[0], block_k=blocks[1], **kwargs)
+            theirs = variant_outputs_and_grads(q, k, v, grad_out, **kwargs)
+            assert max_error(ours, theirs) <= 1e-10, (n, m, offset)
+
+
+def test_key_blocks_before_every_window_are_skipped():
+    """Queries at key positions 160 .. 191 with a window of 16 see keys 145 .. 191 only: the blocks of
+    keys before 128 must never be touched (NaN there would leak into O as 0 · NaN)."""
+    n, m, offset, window = 32, 192, 160, 16
+    q, k, v, grad_out = make_inputs(n, m)
+    with torch.no_grad():
+        k[:, :, :128] = float("nan")
+        v[:, :, :128] = float("nan")
+    kwargs = dict(is_causal=True, offset=offset, window=window)
+    out, dq, dk, dv = outputs_and_grads(q, k, v, grad_out, block_q=16, block_k=32, **kwargs)
+    ref = variant_outputs_and_grads(q, k[:, :, 128:], v[:, :, 128:], grad_out, is_causal=True,
+                                    offset=offset - 128, window=window)
+    assert max_error([out, dq, dk[:, :, 128:], dv[:, :, 128:]], ref) <= 1e-10
+    assert torch.equal(dk[:, :, :128], torch.zeros_like(dk[:, :, :128]))
+
+
+def test_a_causal_window_costs_a_band_of_tiles_not_a_triangle(monkeypatch):
+    """One q kᵀ product per tile computed: with a window w, each query block meets at most w / block_k + 2 key
+    blocks, O(n·w) in all, where causal attention alone meets O(n²)."""
+    n, block, window = 1024, 64, 64
+    q, k, v, _ = make_inputs(n, n, heads=1, kv_heads=1, batch=1, dim=8, dtype=torch.float32)
+    products = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *args, **kwargs: products.append(1) or real_bmm(*args, **kwargs))
+    with torch.no_grad():
+        flash_attention(q, k, v, is_causal=True, window=window, block_q=block, block_k=block)
+        banded = len(products)
+        products.clear()
+        flash_attention(q, k, v, is_causal=True, block_q=block, block_k=block)
+    blocks = n // block
+    assert banded <= blocks * (window // block + 1)  # 2 per query block: the diagonal one and the one before
+    assert len(products) == blocks * (blocks + 1) // 2
+
+
+def test_gradcheck_in_float64_through_the_softcap():
+    q, k, v, _ = make_inputs(5, 7, heads=4, kv_heads=2, batch=2, dim=3)
+    q = (4 * q).detach().requires_grad_()  # scores beyond the cap
+    mask = torch.tensor([[True, False, True, True, False, True, True], [True] * 6 + [False]])
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, key_padding_mask=mask, softcap=1.3, block_q=2,
+                               block_k=3, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_in_float64_through_the_alibi_bias_and_the_window_at_an_offset():
+    q, k, v, _ = make_inputs(5, 7, heads=4, kv_heads=2, batch=2, dim=3)
+    mask = torch.tensor([[True, False, True, True, False, True, True], [True] * 6 + [False]])
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, key_padding_mask=mask, offset=2, window=3, softcap=1.3,
+                               alibi_slopes=SLOPES.double(), block_q=2, block_k=3, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
 def _bad_inputs():
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.ones(2, 6, dtype=torch.bool)
@@ -224,6 +379,13 @@ def _bad_inputs():
         ("block_k float", (q, k, v), dict(block_k=2.0), TypeError, "block_k must be an int"),
         ("is_causal int", (q, k, v), dict(is_causal=1), TypeError, "is_causal must be a bool"),
         ("return_lse str", (q, k, v), dict(return_lse="yes"), TypeError, "return_lse must be"),
+        ("softcap zero", (q, k, v), dict(softcap=0.0), ValueError, "softcap must be a positive"),
+        ("offset negative", (q, k, v), dict(offset=-1), ValueError, "offset must be an int >= 0"),
+        ("window zero", (q, k, v), dict(window=0), ValueError, "window must be a positive"),
+        ("slopes per kv head", (q, k, v), dict(alibi_slopes=torch.ones(2)), ValueError,
+         "alibi_slopes must hold one slope per query head (H = 4)"),
+        ("slopes int", (q, k, v), dict(alibi_slopes=torch.ones(4, dtype=torch.long)), TypeError,
+         "alibi_slopes must be a floating-point tensor"),
     ]
 
 

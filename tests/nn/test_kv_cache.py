@@ -1,5 +1,6 @@
-"""RowsKVCache: rows put right-aligned, moved into a freed slot, and every row shifted right or left, checked
-position by position against plain tensors; each row's newest token id kept through all of it."""
+"""KVCache and RowsKVCache: rows put right-aligned, moved into a freed slot, and every row shifted right or left;
+a sliding window's rolling cache holding its last positions; each row's newest token id kept through all of it;
+checked position by position against plain tensors."""
 
 from __future__ import annotations
 
@@ -56,3 +57,70 @@ def test_each_rows_newest_token_follows_it_through_put_move_shift_and_reorder():
     beams.set_last_tokens(torch.tensor([5, 6, 8]))
     beams.reorder(torch.tensor([2, 2, 0]))
     assert beams.last_tokens().tolist() == [8, 8, 5]
+
+
+# ----------------------------------------------------------------------------- a sliding window's rolling cache
+# Each position's key is its own number (repeated over heads and d_k), so a tensor of keys reads as positions.
+
+def positions(n: int, start: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.float32).repeat(batch, 2, 3, 1).transpose(2, 3)  # (B, 2, n, 3)
+
+
+def held_positions(keys: torch.Tensor) -> list[int]:
+    return keys[0, 0, :, 0].long().tolist()
+
+
+def test_a_window_cache_holds_the_last_w_positions_and_returns_what_the_new_queries_see():
+    cache = KVCache(1, 2, 20, 3, window=4)
+    assert cache.capacity == 4 and cache._k.shape == (1, 2, 4, 3)
+    seen = []
+    for start, n in ((0, 3), (3, 1), (4, 1), (5, 3), (8, 1), (9, 6)):
+        assert cache.attended(n) == min(cache.held, 3) + n
+        keys, values = cache.append(positions(n, start), -positions(n, start))
+        seen.append(held_positions(keys))
+        assert torch.equal(values, -keys)
+        assert cache.length == start + n and cache.held == min(start + n, 4)
+        assert held_positions(cache.keys()) == list(range(start + n - cache.held, start + n))
+    # in place while they fit; then the w - 1 = 3 positions before the new ones, and the new ones
+    assert seen == [[0, 1, 2], [0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5, 6, 7], [5, 6, 7, 8],
+                    [6, 7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+def test_a_window_longer_than_max_len_changes_nothing():
+    cache = KVCache(1, 2, 6, 3, window=10)
+    cache.append(positions(4), positions(4))
+    assert cache.capacity == 6 and held_positions(cache.append(positions(2, 4), positions(2, 4))[0]) == list(range(6))
+
+
+def test_window_rows_hold_the_last_columns_right_aligned_through_put_move_and_shift():
+    """Rows of a window w = 4 hold columns length - held .. length-1: a put row keeps its newest position last,
+    a shift right (a longer row joins) keeps the newest held ones, a shift left drops the oldest."""
+    window = KVCache(1, 2, 12, 3, window=4)
+    cache = RowsKVCache.like(window, max_rows=3)
+    assert cache.window == 4 and cache.capacity == 4 and cache._k_all.abs().sum() == 0
+    long, short = KVCache(1, 2, 12, 3, window=4), KVCache(1, 2, 12, 3, window=4)
+    long.append(positions(6), positions(6))  # holds 2 .. 5
+    short.append(positions(2, 100), positions(2, 100))  # holds 100, 101
+    cache.length = 6
+    for slot, source in enumerate((long, short)):
+        cache.resize(slot + 1)
+        cache.put(slot, source)
+    assert held_positions(cache.keys()[:1]) == [2, 3, 4, 5] and held_positions(cache.keys()[1:, :, 2:]) == [100, 101]
+    keys, _ = cache.append(positions(1, 6, batch=2), positions(1, 6, batch=2))  # one step of both rows
+    assert held_positions(keys[:1]) == [3, 4, 5, 6] and held_positions(keys[1:, :, 1:]) == [100, 101, 6]
+    assert cache.length == 7 and held_positions(cache.keys()[:1]) == [3, 4, 5, 6]
+    cache.shift(3)  # a 10-position row joins: the held columns stay the newest
+    assert cache.length == 10 and held_positions(cache.keys()[:1]) == [3, 4, 5, 6]
+    cache.shift(-8)  # every row's first 8 columns are padding: 2 held columns remain
+    assert cache.length == 2 and held_positions(cache.keys()[:1]) == [5, 6]
+    cache.move(1, 0)
+    assert held_positions(cache.keys()[:1]) == [101, 6]
+
+
+def test_shifting_short_window_rows_right_moves_them_like_a_full_cache():
+    cache = RowsKVCache(2, 2, 12, 3, window=4)
+    cache.length = 2
+    cache.resize(1)
+    cache.put(0, one_row(2, 10.0))
+    cache.shift(1)  # 3 columns: the two positions move one to the right, below the window's capacity
+    assert cache.held == 3 and held_positions(cache.keys()[:, :, 1:]) == [10, 11]

@@ -101,9 +101,11 @@ def test_dropout_zero_in_train_mode_equals_eval_mode():
     assert torch.equal(training, evaluating)
 
 
-def test_merge_keeps_the_function_merging_twice_changes_nothing_and_unmerge_restores_w():
-    model = pf.add_lora(_gpt().double(), r=3, alpha=5.0, targets=("W_q", "W_k", "W_v", "W_o", "W_1", "W_2",
-                                                                   "lm_head"))
+@pytest.mark.parametrize("variants", [{}, dict(pos_encoding="alibi", qk_norm=True, attn_softcap=0.05,
+                                               sliding_window=5)], ids=["plain", "attention-variants"])
+def test_merge_keeps_the_function_merging_twice_changes_nothing_and_unmerge_restores_w(variants):
+    model = pf.add_lora(_gpt(**variants).double(), r=3, alpha=5.0, targets=("W_q", "W_k", "W_v", "W_o", "W_1", "W_2",
+                                                                             "lm_head"))
     _randomize_b(model)
     weights = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
     idx = _tokens()

@@ -56,14 +56,15 @@ def test_causal_alone_needs_no_mask_tensor_for_the_fused_backends():
 
 def test_one_newest_query_after_cached_positions_sees_every_key():
     mask = AttentionMask.build(1, 7, is_causal=True, cached=6)
-    assert mask == AttentionMask()  # nothing to mask at all
+    assert not mask.is_causal and mask.only_causal and mask.dense is None  # nothing to mask at all
 
 
-def test_cached_positions_shift_the_causal_mask_into_attn_mask():
-    """torch's is_causal is top-left aligned, so a shifted causal mask is an explicit mask."""
+def test_cached_positions_shift_the_causal_diagonal_by_an_offset():
+    """torch's is_causal is top-left aligned, so sdpa reads the shifted mask from `dense`; flash takes the
+    offset itself."""
     mask = AttentionMask.build(2, 5, is_causal=True, cached=3)
-    assert not mask.is_causal
-    assert torch.equal(mask.attn_mask, pf.causal_mask(2, 5, offset=3))
+    assert mask.is_causal and mask.offset == 3 and mask.attn_mask is None and not mask.only_causal
+    assert torch.equal(mask.dense, pf.causal_mask(2, 5, offset=3))
 
 
 def test_an_additive_mask_stays_additive_and_takes_the_scores_dtype():
@@ -105,3 +106,36 @@ def test_a_layer_given_the_batch_mask_matches_the_layer_given_raw_masks():
     padding[1, 3:] = False
     built = AttentionMask.build(5, 5, is_causal=True, key_padding_mask=padding)
     assert_close(layer(x, built), layer(x, key_padding_mask=padding, is_causal=True))
+
+
+def test_alibi_makes_the_dense_mask_additive_minus_slope_times_the_distance():
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    padding = torch.tensor([[True, True, False, True, True], [True] * 5])
+    mask = AttentionMask.build(2, 5, is_causal=True, cached=3, key_padding_mask=padding, alibi=slopes)
+    assert mask.alibi is slopes and mask.offset == 3 and not mask.only_causal
+    allowed = _by_hand(2, 5, 3, True, padding, None)
+    expected = torch.full((B, H, 2, 5), -torch.inf)
+    for b, h, i, j in itertools.product(range(B), range(H), range(2), range(5)):
+        if allowed[b, h, i, j]:
+            expected[b, h, i, j] = -slopes[h] * (3 + i - j)
+    assert torch.equal(mask.dense.expand(B, H, 2, 5), expected)
+    assert torch.equal(mask.additive_for(torch.float32).expand(B, H, 2, 5), expected)
+
+
+@pytest.mark.parametrize("n, m, cached", [(7, 7, 0), (3, 8, 5), (2, 4, 2)])
+def test_a_window_lets_query_i_see_the_keys_of_mistrals_sliding_window(n, m, cached):
+    """transformers' sliding_window_overlay: key j is visible to query i iff i - w < j <= i (i at cached + i)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    visible = sliding_window_causal_mask_function(3)
+    batch, head = torch.tensor(0), torch.tensor(0)
+    expected = visible(batch, head, cached + torch.arange(n)[:, None], torch.arange(m)[None, :])
+    mask = AttentionMask.build(n, m, is_causal=True, cached=cached, window=3)
+    assert mask.window == 3 and not mask.only_causal
+    assert torch.equal(mask.dense.expand(n, m), expected)
+
+
+def test_a_window_that_hides_no_key_is_dropped():
+    assert AttentionMask.build(3, 3, is_causal=True, window=3).window is None  # query 2 sees keys 0 .. 2
+    assert AttentionMask.build(1, 4, is_causal=True, cached=3, window=4) == AttentionMask.build(1, 4, cached=3)
+    assert AttentionMask.build(4, 4, is_causal=True, window=3).window == 3

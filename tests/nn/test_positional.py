@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plainformer as pf
-from plainformer.nn.positional import relative_shift_matrix, sinusoidal_table
+from plainformer.nn.positional import alibi_bias, alibi_slopes, relative_shift_matrix, sinusoidal_table
 from tests.reference.torch_reference import assert_close, sinusoidal_by_hand
 
 
@@ -97,3 +99,32 @@ def test_odd_d_model_is_refused_for_sinusoids(d_model):
         pf.SinusoidalPositionalEncoding(d_model, 10)
     with pytest.raises(ValueError, match=f"d_model must be even.*got {d_model}"):
         relative_shift_matrix(1, d_model)
+
+
+@pytest.mark.parametrize("n_heads", [4, 6, 12])
+def test_alibi_slopes_equal_blooms_alibi_tensor(n_heads):
+    """Bloom's `build_alibi_tensor` holds m_h · j for key position j: at j = 1, the slopes. Bloom raises a
+    float32 base to each power where ours rounds 2^(-8i/p) once, so they agree to float32's precision."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    theirs = build_alibi_tensor(torch.ones(1, 3, dtype=torch.long), n_heads, torch.float32)  # (h, 1, 3)
+    ours = alibi_slopes(n_heads)
+    assert ours.dtype == torch.float32 and ours.shape == (n_heads,)
+    torch.testing.assert_close(ours, theirs[:, 0, 1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours[:, None] * torch.arange(3.0), theirs[:, 0], rtol=1e-6, atol=0)
+
+
+def test_alibi_slopes_of_a_power_of_two_are_geometric_from_two_to_the_minus_eight_over_h():
+    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
+    assert alibi_slopes(4).tolist() == [2.0 ** -(2 * i) for i in range(1, 5)]
+    # 6 heads: the 4 of 4 heads, then the 2 of 8 heads that fall between them (2^-1, 2^-3)
+    assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+
+
+def test_alibi_bias_is_minus_slope_times_the_distance_of_each_rows_positions():
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    queries, keys = torch.tensor([[3, 4], [0, 1]]), torch.tensor([[0, 2, 3, 4], [0, 0, 0, 1]])
+    bias = alibi_bias(slopes, queries, keys)
+    assert bias.shape == (2, 2, 2, 4)
+    for b, h, i, j in itertools.product(range(2), range(2), range(2), range(4)):
+        assert bias[b, h, i, j] == -slopes[h] * (queries[b, i] - keys[b, j])

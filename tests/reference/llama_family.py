@@ -1,4 +1,4 @@
-"""Hugging Face models of the Llama family (Qwen3, Mistral) built locally from a plainformer GPT's shape,
+"""Hugging Face models of the Llama family (Llama, Qwen3, Mistral) built locally from a plainformer GPT's shape,
 with the GPT's weights copied in by a name table written here, independent of plainformer's hf/ code.
 
 A GPT with norm="rmsnorm", activation="swiglu", pos_encoding="rope" and bias=False is Llama-shaped:
@@ -54,10 +54,25 @@ def _common(c: pf.GPTConfig) -> dict:
                 tie_word_embeddings=c.tie_weights, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
+def llama(config: pf.GPTConfig) -> transformers.PreTrainedModel:
+    """LlamaForCausalLM of the GPT's shape, eager attention (which a test may replace by another model's)."""
+    hf = transformers.LlamaConfig(**_common(config), attention_bias=False, mlp_bias=False)
+    hf._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(hf).eval()
+
+
 def qwen3(config: pf.GPTConfig) -> transformers.PreTrainedModel:
     """Qwen3ForCausalLM of the GPT's shape (QK-norm; no sliding window)."""
     hf = transformers.Qwen3Config(**_common(config), attention_bias=False, use_sliding_window=False)
     return transformers.Qwen3ForCausalLM(hf).eval()
+
+
+def mistral(config: pf.GPTConfig) -> transformers.PreTrainedModel:
+    """MistralForCausalLM of the GPT's shape with its sliding_window, eager attention (the window as a mask:
+    key j is visible to query i iff i - sliding_window < j <= i, transformers' `sliding_window_overlay`)."""
+    hf = transformers.MistralConfig(**_common(config), sliding_window=config.sliding_window)
+    hf._attn_implementation = "eager"
+    return transformers.MistralForCausalLM(hf).eval()
 
 
 def copy_into(ours: pf.GPT, theirs: transformers.PreTrainedModel) -> None:

@@ -275,9 +275,8 @@ def _mixtral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     block_size = hf["max_position_embeddings"]
     window = hf.get("sliding_window")
     if window is not None and window < block_size:
-        raise ValueError(f"sliding_window={window} is not supported: plainformer's attention sees every "
-                         f"earlier position (sliding_window must be null or at least max_position_embeddings="
-                         f"{block_size})")
+        raise ValueError(f"sliding_window={window} is not supported: the Mixtral layout here reads no window "
+                         f"(sliding_window must be null or at least max_position_embeddings={block_size})")
     if hf.get("router_jitter_noise", 0.0):
         raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported: plainformer's "
                          "router takes its input unperturbed (router_jitter_noise must be 0)")
@@ -325,7 +324,6 @@ MIXTRAL = _rotary_layout(
 LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, QWEN3, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
 # Attention variants none of the layouts above computes, at the value that switches each off.
-_NO_LAYOUT: dict[str, Any] = {}
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
@@ -337,8 +335,8 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
 
 # GPTConfig fields that change what the model computes and that none of these architectures has, at the value
 # that leaves them out. (zero_init changes the initialisation alone: a model trained with it exports as any.)
-_ONLY_OURS: dict[str, Any] = dict(logit_softcap=None, embed_norm=False, x0_mix=False, value_residual=False,
-                                  token_shift=False, bigram_embedding=False)
+_ONLY_OURS: dict[str, Any] = dict(attn_softcap=None, sliding_window=None, logit_softcap=None, embed_norm=False,
+                                  x0_mix=False, value_residual=False, token_shift=False, bigram_embedding=False)
 
 
 def field_without_layout(config: GPTConfig) -> str | None:

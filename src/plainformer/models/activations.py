@@ -7,12 +7,13 @@ Training one micro-batch of B rows of n tokens keeps, in float32 (an estimate, o
 
 per layer the residual input and the norm's output of each sublayer, q, k, v, the attention output
 before and after merging the heads (g = d + d_kv more with QK-norm: q and k before their norms), and the
-FFN's hidden states (a = 2, or 4 for SwiGLU; on a MoE
-layer, top_k experts' worth and the router's logits); w, the attention weights per query where they
-are materialised: 3 h n with attention dropout (the weights, the dropped weights, the mask), h n on the
-math path, h n / 2 under backend "auto" on at most 512 keys (the math path, in bfloat16), none in the
-fused kernels; r = 5/4 d_ff + d/2 with dropout, its masks and the dropped hidden state W_2 reads; then
-the logits, their log-softmax and their gradient, V each. d_kv = n_kv_heads · d / n_heads.
+FFN's hidden states (a = 2, or 4 for SwiGLU; on a MoE layer, top_k experts' worth and the router's
+logits); w, the attention weights per query where they are materialised: 3 h n with attention dropout
+(the weights, the dropped weights, the mask), h n on the math path (2 h n with soft-capped scores, which
+take it under "auto" too), h n / 2 under backend "auto" on at most 512 keys (the math path, in
+bfloat16), none in the fused kernels; r = 5/4 d_ff + d/2 with dropout, its masks and the dropped hidden
+state W_2 reads; then the logits, their log-softmax and their gradient, V each.
+d_kv = n_kv_heads · d / n_heads.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def scores(c: Any, keys: int) -> int:
     on at most 512 keys (the math path in bfloat16: half the bytes)."""
     if _attention_dropout(c) > 0:
         return 3 * c.n_heads * keys
-    if c.backend == "math":
-        return c.n_heads * keys
+    capped = getattr(c, "attn_softcap", None) is not None  # the math path, which also keeps tanh's output
+    if c.backend == "math" or (capped and c.backend == "auto"):
+        return (2 if capped else 1) * c.n_heads * keys
     return c.n_heads * keys // 2 if c.backend == "auto" and keys <= MATH_KEYS else 0
 
 

@@ -9,7 +9,8 @@ Each `Block` is pre-LN with a causal mask: x + Attn(LN(x)), then x + FFN(LN(x)).
 With n_experts > 0 the FFN of every moe_every-th block after the first first_dense_layers is a
 Mixture-of-Experts layer (`nn.moe`), and the training loss adds its balancing terms averaged over
 those layers: loss = CE + aux_loss_coef · mean_l L_aux + z_loss_coef · mean_l L_z (in eval, CE only).
-With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P.
+With pos_encoding="rope" positions enter through rotary embeddings of q and k instead of P; with "alibi"
+through a bias of the attention scores linear in the distance (each block's attention owns its slopes).
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the projections that write into the
 residual stream (W_o, W_2) scaled by 1/√(2·n_layers) so its variance does not grow with depth.
 The config is checked when it is built; the modules built from it check nothing again.
@@ -47,7 +48,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators
 from ..generation.stopping import StopStrings
-from ..nn.attention import BACKENDS, MultiHeadAttention
+from ..nn.attention import BACKENDS, MultiHeadAttention, check_softcap_backend
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
@@ -63,7 +64,7 @@ from .activations import FLOAT32, forward_pass, hidden, kv_width, layer_activati
 from .activations import dropout as dropout_bytes
 from .saved import SavedModel, itemsize, unchecked
 
-POSITION_ENCODINGS = ("learned", "rope", "sinusoidal")
+POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 
 
 @dataclasses.dataclass
@@ -88,6 +89,8 @@ class GPTConfig(Config):
     norm_eps: float = positive(1e-5)
     # Attention variants, each off by default (nn/attention.py): see the README's table.
     qk_norm: bool = False
+    attn_softcap: float | None = positive(None)
+    sliding_window: int | None = positive_int(None)
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
     n_experts: int = non_negative_int(0)
     top_k: int = positive_int(2)
@@ -138,6 +141,8 @@ class GPTConfig(Config):
         if self.zero_init and self.tie_weights:
             raise ValueError("zero_init needs tie_weights=False: a zero head tied to the token embedding "
                              "would zero the embedding")
+        if self.attn_softcap is not None:
+            check_softcap_backend(self.backend, "attn_softcap")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
@@ -175,7 +180,9 @@ class Block(nn.Module):
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
                                             dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
-                                            norm_eps=c.norm_eps, validate_args=False)
+                                            norm_eps=c.norm_eps, softcap=c.attn_softcap,
+                                            alibi=c.pos_encoding == "alibi", window=c.sliding_window,
+                                            validate_args=False)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
@@ -191,8 +198,9 @@ class Block(nn.Module):
         the cached ones. x0: the embedding output, for x0_mix (default: x, as for the first block).
         first_values: with value_residual, the pass's first-layer values (the first block keeps them)."""
         if mask is None:
-            cached = 0 if kv_cache is None else kv_cache.length
-            mask = AttentionMask.build(x.shape[1], cached + x.shape[1], is_causal=True, cached=cached,
+            keys = x.shape[1] if kv_cache is None else kv_cache.attended(x.shape[1])
+            mask = AttentionMask.build(x.shape[1], keys, is_causal=True, cached=keys - x.shape[1],
+                                       window=self.self_attn.window, alibi=self.self_attn.alibi_slopes,
                                        device=x.device)
         if self.x0_mix is not None:
             x = self.x0_mix(x, x if x0 is None else x0)
@@ -248,10 +256,10 @@ def _variant_activations(c: GPTConfig) -> int:
 
 def decoding_bytes(config: GPTConfig, rows: int, prompt_len: int, dtype: torch.dtype = torch.float32) -> int:
     """The bytes beyond the model's own of sampling `rows` rows from a GPT in `dtype` at once: a KV cache
-    of block_size positions per layer and row, the prompt's forward pass (the logits of its last
-    position only) and the float32 logits of each step."""
+    of block_size positions (at most sliding_window) per layer and row, the prompt's forward pass (the
+    logits of its last position only) and the float32 logits of each step."""
     c, size = config, itemsize(dtype)
-    caches = c.n_layers * 2 * kv_width(c) * c.block_size * size
+    caches = c.n_layers * 2 * kv_width(c) * min(c.block_size, c.sliding_window or c.block_size) * size
     prompt = forward_pass(c, 1, min(prompt_len, c.block_size), size, 0)
     return rows * (caches + prompt + FLOAT32 * 3 * c.vocab_size)
 
@@ -396,11 +404,15 @@ class GPT(SavedModel):
         if self.token_shift is not None or self.bigram is not None:
             x = self._add_previous_token_terms(x, idx, offset, kv_caches, attention_mask)
         rope: Rotation | None = self.rope
+        attn = cast(Block, self.blocks[0]).self_attn  # the mask's variants, the same in every block
+        keys = n if kv_caches is None else kv_caches[0].attended(n)  # a window's cache attends its last keys
         if attention_mask is None:
             positions = None
-            mask = AttentionMask.build(n, offset + n, is_causal=True, cached=offset, device=idx.device)
+            mask = AttentionMask.build(n, keys, is_causal=True, cached=keys - n, window=attn.window,
+                                       alibi=attn.alibi_slopes, device=idx.device)
         else:
-            positions, mask = padded_positions_and_mask(attention_mask, offset)
+            positions, mask = padded_positions_and_mask(attention_mask, offset, keys=keys, window=attn.window,
+                                                        alibi=attn.alibi_slopes)
             rope = None if self.rope is None else self.rope.at(positions)
         if self.position is not None:
             x = self.position(x, offset=offset, positions=positions)
@@ -449,12 +461,14 @@ class GPT(SavedModel):
     # ------------------------------------------------------------------ generation
 
     def new_kv_caches(self, batch_size: int) -> list[KVCache]:
-        """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block."""
+        """One preallocated (B, n_kv_heads, block_size, head_dim) cache per block; with a sliding window w,
+        (B, n_kv_heads, min(w, block_size), head_dim), rolling."""
         _checks.check_positive_int("batch_size", batch_size)
         parameter = self.token_embedding.weight
         n_kv_heads = self.config.n_kv_heads or self.config.n_heads
         return [KVCache(batch_size, n_kv_heads, self.config.block_size, self.config.head_dim,
-                        dtype=parameter.dtype, device=parameter.device, validate_args=False)
+                        dtype=parameter.dtype, device=parameter.device, window=self.config.sliding_window,
+                        validate_args=False)
                 for _ in range(self.config.n_layers)]
 
     def decoder(self) -> GPTDecoder:

@@ -16,6 +16,18 @@ the H query heads; query head h reads key/value head h // (H / H_kv).
 
 QK-norm (Qwen3, OLMo 2; `qk_norm=True`): each head's query and key is RMS-normalised over d_k, with a
 learned weight per feature, before the rotary embedding: q_h = RMSNorm(x W_h^Q), k_h = RMSNorm(x W_h^K).
+
+Soft-capping (Gemma 2's attn_logit_softcapping; `softcap=c`): the scaled scores s = Q Kᵀ · scale become
+c · tanh(s / c), bounded by ±c, before the mask is added and the softmax taken. torch's sdpa cannot
+express it: `auto` takes another path, and backend="sdpa" with a softcap is refused.
+
+ALiBi (Press et al. 2022; `alibi=True`): head h's score of query i for key j gets -m_h · (i - j), with the
+slopes m_h of `positional.alibi_slopes`; the attention owns the slopes, the batch's `AttentionMask` adds
+the bias (a dense additive mask for math and sdpa, the slopes themselves for flash).
+
+Sliding-window attention (Mistral; `window=w`): query i sees only the last w positions, keys j with
+i - w < j <= i; the batch's mask holds the window (a boolean mask for math and sdpa, the band itself for
+flash, which skips the key blocks outside it), and a KV cache of the same window keeps only w positions.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from torch import Tensor, nn
 from .. import _checks
 from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
 from .normalization import RMSNorm
+from .positional import alibi_slopes
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -69,13 +82,23 @@ def _scores_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
     return (*q.shape[:-1], k.shape[-2])
 
 
-def _check_options(dropout_p: float, scale: float | None) -> None:
+def _check_options(dropout_p: float, scale: float | None, softcap: float | None) -> None:
     _checks.check_probability("dropout_p", dropout_p)
     if scale is not None:
         _checks.check_positive_number("scale", scale)
+    if softcap is not None:
+        _checks.check_positive_number("softcap", softcap)
 
 
-def check_attention_args(d_model: int, n_heads: int, n_kv_heads: int | None, dropout: float, backend: str) -> None:
+def check_softcap_backend(backend: str, field: str = "softcap") -> None:
+    """A soft-cap needs a backend that computes it: torch's sdpa cannot (`field` names the argument)."""
+    if backend == "sdpa":
+        raise ValueError(f"{field} needs a backend that soft-caps the scores, and torch's sdpa cannot: "
+                         "use backend='auto', 'math' or 'flash'")
+
+
+def check_attention_args(d_model: int, n_heads: int, n_kv_heads: int | None, dropout: float, backend: str,
+                         softcap: float | None = None) -> None:
     """`MultiHeadAttention`'s arguments, as its constructor checks them (and the layers, for theirs)."""
     _checks.check_positive_int("d_model", d_model)
     _checks.check_positive_int("n_heads", n_heads)
@@ -85,6 +108,9 @@ def check_attention_args(d_model: int, n_heads: int, n_kv_heads: int | None, dro
         _checks.check_divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
     _checks.check_probability("dropout", dropout)
     _checks.check_choice("backend", backend, BACKENDS)
+    if softcap is not None:
+        _checks.check_positive_number("softcap", softcap)
+        check_softcap_backend(backend)
 
 
 # ----------------------------------------------------------------------------- heads
@@ -112,26 +138,29 @@ def _masked_softmax(scores: Tensor) -> Tensor:
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
-                                 dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None) -> tuple[Tensor, Tensor]:
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, computed step by step.
 
     q: (..., n, d_k), k: (..., m, d_k), v: (..., m, d_v); scale defaults to 1/√d_k.
+    softcap c: the scores Q Kᵀ · scale become c · tanh(Q Kᵀ · scale / c) before the mask is added.
     Returns (output (..., n, d_v), weights (..., n, m)); the weights are those applied to V, so
     after dropout when dropout_p > 0. Rows with every key masked give zeros.
     """
-    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale)
-    return _math_attention(q, k, v, masks, dropout_p=dropout_p, scale=scale)
+    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale, softcap)
+    return _math_attention(q, k, v, masks, dropout_p=dropout_p, scale=scale, softcap=softcap)
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dropout_p: float,
-                    scale: float | None) -> tuple[Tensor, Tensor]:
+                    scale: float | None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     k, v = _expand_kv_heads(q, k), _expand_kv_heads(q, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # why: scaling q costs d/m of scaling the scores; masking in place saves a copy (autograd keeps
     # q and k for the matmul's backward, not its output); an additive mask's gradient is the identity,
     # where masked_fill's costs a pass over the scores (on CPU the add is also 3x faster)
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)  # autograd keeps tanh's output: no in-place here
     additive = mask.additive_for(scores.dtype)
     if additive is not None:
         scores = scores.add_(additive)
@@ -158,7 +187,7 @@ def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dro
 
 
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dropout_p: float,
-                     scale: float | None) -> Tensor:
+                     scale: float | None, softcap: float | None) -> Tensor:
     from .flash import flash_attention
 
     if dropout_p > 0.0:
@@ -170,24 +199,30 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dr
         raise ValueError(f"backend='flash' takes only key-padding masks (boolean, broadcastable "
                          f"as (B, 1, 1, m)); got mask of shape {tuple(mask.attn_mask.shape)} and dtype "
                          f"{mask.attn_mask.dtype}")
-    out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale)
+    out = flash_attention(q, k, v, is_causal=mask.is_causal, key_padding_mask=mask.key_padding, scale=scale,
+                          offset=mask.offset, window=mask.window, softcap=softcap, alibi_slopes=mask.alibi)
     return cast(Tensor, out)  # without return_lse, the output alone
 
 
-def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dropout_p: float) -> str:
+def resolve_backend(backend: str, q: Tensor, k: Tensor, mask: AttentionMask, dropout_p: float,
+                    softcap: float | None = None) -> str:
     """The exact path `backend="auto"` takes.
 
     torch's fused kernel (sdpa) is the fastest exact path on CPU for fp32 and for long bf16 inputs, so
     auto picks it, except for bf16 with several queries and at most 512 keys (training a small GPT):
     there the math path is faster, forward + backward (e.g. B·H = 48, n = m = 256, d = 64: 41 vs 59 ms;
     n = m = 64, d = 32: 3.5 vs 11 ms, one core), and sdpa again from about 1024 keys on.
-    On CUDA with a key-padding (or no) mask and no dropout, our Triton FlashAttention is used when
-    triton is installed; otherwise sdpa again.
+    On CUDA with a key-padding (or no) mask, top-left causality (if any) and no dropout, our Triton
+    FlashAttention is used when triton is installed; otherwise sdpa again, with ALiBi and a sliding window
+    in its mask. Soft-capped scores take the math path: neither sdpa nor the Triton kernel computes the cap.
     """
     if backend != "auto":
         return backend
-    if (q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and mask.attn_mask is None
-            and _triton_available()):
+    if softcap is not None:
+        return "math"
+    triton_takes = (mask.attn_mask is None and mask.alibi is None and mask.window is None
+                    and (not mask.is_causal or mask.offset == 0))
+    if q.is_cuda and dropout_p == 0.0 and q.dim() == 4 and triton_takes and _triton_available():
         return "flash"
     if not q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-2] > 1 and k.shape[-2] <= 512:
         return "math"
@@ -204,36 +239,39 @@ def _triton_available() -> bool:
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, backend: str,
-               dropout_p: float, scale: float | None) -> Tensor:
+               dropout_p: float, scale: float | None, softcap: float | None = None) -> Tensor:
     """softmax(Q Kᵀ · scale + mask) V on the backend `resolve_backend` picks; nothing is checked."""
-    backend = resolve_backend(backend, q, k, mask, dropout_p)
+    backend = resolve_backend(backend, q, k, mask, dropout_p, softcap)
     if backend == "math":
-        return _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)[0]
+        return _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale, softcap=softcap)[0]
     if backend == "sdpa":
         return _sdpa_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)
-    return _flash_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)
+    return _flash_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale, softcap=softcap)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, is_causal: bool = False,
-              backend: str = "auto", dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+              backend: str = "auto", dropout_p: float = 0.0, scale: float | None = None,
+              softcap: float | None = None) -> Tensor:
     """softmax(Q Kᵀ · scale + mask) V without returning the weights, so fused kernels may be used.
 
     Same shapes and mask semantics as `scaled_dot_product_attention`; backend is "math" (ours,
-    step by step), "sdpa" (torch's fused kernel), "flash" (ours, O(n) memory; key-padding masks
-    only) or "auto" (see `resolve_backend`).
+    step by step), "sdpa" (torch's fused kernel; no softcap), "flash" (ours, O(n) memory; key-padding
+    masks only) or "auto" (see `resolve_backend`).
     """
     _checks.check_choice("backend", backend, BACKENDS)
-    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale)
-    return _attention(q, k, v, masks, backend=backend, dropout_p=dropout_p, scale=scale)
+    masks = _checked_masks(q, k, v, mask, is_causal, dropout_p, scale, softcap)
+    if softcap is not None:
+        check_softcap_backend(backend)
+    return _attention(q, k, v, masks, backend=backend, dropout_p=dropout_p, scale=scale, softcap=softcap)
 
 
 def _checked_masks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                   dropout_p: float, scale: float | None) -> AttentionMask:
+                   dropout_p: float, scale: float | None, softcap: float | None) -> AttentionMask:
     """Validate the functional API's arguments; its one mask as an `AttentionMask`."""
     _check_qkv(q, k, v)
     if mask is not None:
         check_mask_tensor("mask", mask, _scores_shape(q, k), q.device)
-    _check_options(dropout_p, scale)
+    _check_options(dropout_p, scale, softcap)
     n, m = q.shape[-2], k.shape[-2]
     key_padding = None if mask is None else _key_padding_from_mask(mask, q, k)
     if key_padding is not None:
@@ -264,6 +302,11 @@ class MultiHeadAttention(nn.Module):
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
     qk_norm adds `q_norm` and `k_norm` (RMSNorm over d_k, eps norm_eps, one weight shared by the heads, as
     Qwen3's `self_attn.q_norm` / `k_norm`), applied to each head's query and key before rope.
+    softcap c bounds the scaled scores by c · tanh(s / c) (Gemma 2), on every path but sdpa.
+    alibi adds ALiBi's biases -m_h · (i - j) to the scores of self-attention: the slopes are the buffer
+    `alibi_slopes` (h,), not saved, which `mask_for` (or the model building the batch's mask) hands the mask.
+    window w lets query i see only keys j > i - w (with is_causal, the last w positions), in the mask
+    `mask_for` builds (or the model's); a KV cache handed to it must have the same window or none.
 
     `forward` checks its arguments and combines the masks, unless it is handed the batch's
     `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
@@ -277,22 +320,27 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
+                 softcap: float | None = None, alibi: bool = False, window: int | None = None,
                  validate_args: bool = True):
         super().__init__()
         if validate_args:
-            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend)
+            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend, softcap)
+            if window is not None:
+                _checks.check_positive_int("window", window)
             if qk_norm:
                 _checks.check_positive_number("norm_eps", norm_eps)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
-        self.dropout, self.backend = dropout, backend
+        self.dropout, self.backend, self.softcap, self.window = dropout, backend, softcap, window
         self.W_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
 
     def split_heads(self, x: Tensor, n_heads: int, norm: nn.Module | None = None) -> Tensor:
         """(B, n, h·d_k) -> (B, h, n, d_k), each head normalised by `norm` over d_k when given."""
@@ -356,12 +404,14 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None and kv_cache.static:
             m = kv_cache.length or m  # a filled memory cache is used as it is
         elif kv_cache is not None:
-            cached, m = kv_cache.length, kv_cache.length + m
+            m = kv_cache.attended(m)  # a window's cache attends the last of its positions only
+            cached = m - key.shape[1]
         batch, n = query.shape[:2]
         attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
                                 key_padding_mask=key_padding_mask)
         return AttentionMask.build(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
-                                   attn_mask=attn_mask, device=query.device)
+                                   attn_mask=attn_mask, window=self.window, alibi=self.alibi_slopes,
+                                   device=query.device)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
                rope: Rotation | None = None, need_weights: bool = False,
@@ -377,13 +427,13 @@ class MultiHeadAttention(nn.Module):
                       rope: Rotation | None = None, need_weights: bool = False,
                       value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
-        to all P + n keys. `mask` is built for n queries over P + n keys (`AttentionMask.build`
-        with cached=P)."""
+        to the m = `cache.attended(n)` keys it returns: all P + n, or a window's last. `mask` is built for
+        n queries over those m keys (`AttentionMask.build` with cached=m - n)."""
         q = self.project_q(query)  # (B, h, n, d_k)
         k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, n, d_k)
         if rope is not None:
             q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
-        k, v = cache.append(k, v)  # (B, h_kv, P + n, d_k)
+        k, v = cache.append(k, v)  # (B, h_kv, m, d_k)
         return self._attend(q, k, v, mask, need_weights)
 
     def attend_memory(self, query: Tensor, memory: KVCache, mask: AttentionMask = NO_MASK, *,
@@ -397,9 +447,10 @@ class MultiHeadAttention(nn.Module):
         """Attention per head, then Concat(head_1, ..., head_h) W^O: (B, h, n, d_k) -> (B, n, d_model)."""
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
-            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None)
+            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None, softcap=self.softcap)
         else:
-            out = _attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None)
+            out = _attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None,
+                             softcap=self.softcap)
         batch, _, n, _ = q.shape
         out = self.W_o(out.transpose(1, 2).reshape(batch, n, -1))  # (B, n, d_model)
         return (out, weights) if need_weights else out
@@ -426,6 +477,9 @@ class MultiHeadAttention(nn.Module):
                              f"{tuple(query.shape)} and key {tuple(key.shape)}")
         if kv_cache is not None and not (kv_cache.static and kv_cache.length):
             kv_cache.check_fits("k", (key.shape[0], self.n_kv_heads, key.shape[1], self.head_dim))
+        if kv_cache is not None and kv_cache.window not in (None, self.window):
+            raise ValueError(f"kv_cache keeps a window of {kv_cache.window} positions but this attention's window "
+                             f"is {self.window}: build the cache with window={self.window}")
         if rope is not None:
             check_rope(rope, self.head_dim, 0 if kv_cache is None or kv_cache.static else kv_cache.length,
                        query.shape[1])

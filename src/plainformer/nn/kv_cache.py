@@ -8,6 +8,11 @@ projected once per source and then reused at every decoding step.
 A cache also keeps the token id of each row's newest position (`last_tokens`), for a model whose embedding
 reads the previous token (GPT's token_shift and bigram_embedding): at the next step it is the predecessor of
 the first new token.
+
+The cache of a sliding-window attention (`window` w: each query sees the last w positions, itself
+included) is a rolling one: its buffers hold only the last w positions. New positions are appended in
+place while they fit; past that, the n new keys attend together with the w - 1 positions before them
+(all the first of them sees), and the last w of those are kept, in order, the oldest dropped.
 """
 
 from __future__ import annotations
@@ -19,23 +24,41 @@ from .. import _checks
 
 
 class KVCache:
-    """Keys and values of positions 0 .. length-1, in buffers (B, H_kv, max_len, d_k).
+    """Keys and values of positions 0 .. length-1 (at most max_len), in buffers (B, H_kv, capacity, d_k):
+    all of them, or with a `window` w the last `held` = min(length, w) (capacity min(max_len, w)).
     validate_args=False skips the checks of the sizes (a model that checked them builds its caches)."""
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 static: bool = False, validate_args: bool = True):
+                 static: bool = False, window: int | None = None, validate_args: bool = True):
         if validate_args:
             for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
                                 ("max_len", max_len), ("head_dim", head_dim)):
                 _checks.check_positive_int(name, value)
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        # Uninitialised: only positions 0 .. length-1, written before they are read, are ever read.
+            if window is not None:
+                _checks.check_positive_int("window", window)
+                if static:
+                    raise ValueError("a static cache holds a whole memory: it takes no window")
+        self.capacity = max_len if window is None else min(max_len, window)
+        shape = (batch_size, n_kv_heads, self.capacity, head_dim)
+        # Uninitialised: only positions 0 .. held-1, written before they are read, are ever read.
         self._k = torch.empty(shape, dtype=dtype, device=device)
         self._v = torch.empty(shape, dtype=dtype, device=device)
         self._last = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,), see last_tokens
-        self.max_len, self.static = max_len, static
+        self.max_len, self.static, self.window = max_len, static, window
         self.length = 0
+
+    @property
+    def held(self) -> int:
+        """Positions in the buffers, the newest last: length - held .. length-1."""
+        return min(self.length, self.capacity)
+
+    def attended(self, n: int) -> int:
+        """How many keys `append` of n new positions returns: the held ones and the new ones, or with a
+        window past its capacity the w - 1 positions before the new ones and the new ones."""
+        if self.window is None or self.held + n <= self.capacity:
+            return self.held + n
+        return min(self.held, self.window - 1) + n
 
     def check_fits(self, name: str, shape: tuple[int, ...]) -> None:
         """Keys or values of `shape` (B, H_kv, n, d_k) can be appended: checked once, at the boundary."""
@@ -46,16 +69,26 @@ class KVCache:
         self._check_room(shape[2])
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, H_kv, n, d_k) at positions length .. length+n-1; return all (B, H_kv, length, d_k).
+        """Store k, v (B, H_kv, n, d_k) at positions length .. length+n-1; return the keys and values the
+        n new queries attend, (B, H_kv, `attended(n)`, d_k), in order, the new ones last.
 
         Shapes are not checked here, on the decoding path (see `check_fits`); room is.
         """
-        n = k.shape[-2]
+        n, held = k.shape[-2], self.held
         self._check_room(n)
-        self._k[:, :, self.length:self.length + n] = k
-        self._v[:, :, self.length:self.length + n] = v
+        if self.window is None or held + n <= self.capacity:
+            self._k[:, :, held:held + n] = k
+            self._v[:, :, held:held + n] = v
+            self.length += n
+            return self.keys(), self.values()
+        before = held - min(held, self.window - 1)  # the held positions no new query sees
+        keys = torch.cat((self._k[:, :, before:held], k), dim=2)
+        values = torch.cat((self._v[:, :, before:held], v), dim=2)
         self.length += n
-        return self.keys(), self.values()
+        kept = self.held
+        self._k[:, :, :kept] = keys[:, :, -kept:]
+        self._v[:, :, :kept] = values[:, :, -kept:]
+        return keys, values
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_len:
@@ -63,10 +96,11 @@ class KVCache:
                              f"max_len={self.max_len}")
 
     def keys(self) -> Tensor:
-        return self._k[:, :, :self.length]
+        """The held keys (B, H_kv, held, d_k), positions length - held .. length-1."""
+        return self._k[:, :, :self.held]
 
     def values(self) -> Tensor:
-        return self._v[:, :, :self.length]
+        return self._v[:, :, :self.held]
 
     def last_tokens(self) -> Tensor:
         """(B,) the token id at position length-1 of each row, as the model wrote it (`set_last_tokens`)."""
@@ -89,14 +123,16 @@ class KVCache:
 class RowsKVCache(KVCache):
     """A `KVCache` whose rows come and go while a batch decodes (continuous batching).
 
-    Buffers (max_rows, H_kv, max_len, d_k) are allocated once; the model sees the first `rows` of them.
+    Buffers (max_rows, H_kv, capacity, d_k) are allocated once; the model sees the first `rows` of them.
     Every row's newest position is column length-1 (rows are right-aligned), so a row of n positions holds
-    columns length-n .. length-1 and the columns before are padding that an attention mask hides.
+    columns length-n .. length-1 and the columns before are padding that an attention mask hides. With a
+    window, the buffers hold the last `held` columns, length - held .. length-1, as a `KVCache` does.
     """
 
     def __init__(self, max_rows: int, n_kv_heads: int, max_len: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        super().__init__(max_rows, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 window: int | None = None):
+        super().__init__(max_rows, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, window=window)
         # Zeroed, unlike a KVCache: a masked column still enters the product weights · V (as 0 · v), so it
         # must hold no NaN that uninitialised memory could.
         self._k_all, self._v_all, self._last_all = self._k.zero_(), self._v.zero_(), self._last
@@ -104,9 +140,10 @@ class RowsKVCache(KVCache):
 
     @classmethod
     def like(cls, cache: KVCache, max_rows: int) -> RowsKVCache:
-        """A cache of max_rows rows with the heads, length, width, dtype and device of `cache`."""
-        _, heads, max_len, head_dim = cache._k.shape
-        return cls(max_rows, heads, max_len, head_dim, dtype=cache._k.dtype, device=cache._k.device)
+        """A cache of max_rows rows with the heads, length, window, width, dtype and device of `cache`."""
+        _, heads, _, head_dim = cache._k.shape
+        return cls(max_rows, heads, cache.max_len, head_dim, dtype=cache._k.dtype, device=cache._k.device,
+                   window=cache.window)
 
     @property
     def rows(self) -> int:
@@ -121,23 +158,28 @@ class RowsKVCache(KVCache):
         self._k, self._v, self._last = self._k_all[:rows], self._v_all[:rows], self._last_all[:rows]
 
     def put(self, row: int, source: KVCache) -> None:
-        """Copy the positions of `source` (a one-row cache) into `row`, ending at column length-1."""
-        n = source.length
-        self._k_all[row, :, self.length - n:self.length] = source.keys()[0]
-        self._v_all[row, :, self.length - n:self.length] = source.values()[0]
+        """Copy the held positions of `source` (a one-row cache, no longer than this one) into `row`,
+        ending at column length-1."""
+        n, held = source.held, self.held
+        self._k_all[row, :, held - n:held] = source.keys()[0]
+        self._v_all[row, :, held - n:held] = source.values()[0]
         self._last_all[row] = source.last_tokens()[0]
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s positions into row `dst` (a finished row's slot is refilled by the last row)."""
-        self._k_all[dst, :, :self.length] = self._k_all[src, :, :self.length]
-        self._v_all[dst, :, :self.length] = self._v_all[src, :, :self.length]
+        self._k_all[dst, :, :self.held] = self._k_all[src, :, :self.held]
+        self._v_all[dst, :, :self.held] = self._v_all[src, :, :self.held]
         self._last_all[dst] = self._last_all[src]
 
     def shift(self, columns: int) -> None:
         """Move every row's positions `columns` to the right (> 0: room for a longer row before them)
-        or to the left (< 0: padding that no row needs dropped); length changes by `columns`."""
-        keep = self.length if columns > 0 else self.length + columns
-        start = max(0, -columns)
-        for buffer in (self._k, self._v):
-            buffer[:, :, max(0, columns):max(0, columns) + keep] = buffer[:, :, start:start + keep].clone()
+        or to the left (< 0: padding that no row needs dropped); length changes by `columns`. A held
+        position stays where it is relative to the newest one; past a window's capacity that moves it
+        by less than `columns` in the buffer, or not at all."""
+        held = self.held
         self.length += columns
+        move = self.held - held  # where the newest held position goes: held - 1 + move
+        keep = held if move >= 0 else held + move
+        start = max(0, -move)
+        for buffer in (self._k, self._v):
+            buffer[:, :, max(0, move):max(0, move) + keep] = buffer[:, :, start:start + keep].clone()

@@ -2,12 +2,16 @@
 
 Masks follow `torch.nn.functional.scaled_dot_product_attention`: a boolean mask is True where a query
 may attend a key, a float mask is added to the scores, and either broadcasts to the scores
-(B, h, n, m). Three kinds of constraint meet here:
+(B, h, n, m). These constraints and biases meet here:
 
     causal         query i sees keys j <= i + P (P = positions already in a KV cache; P = 0 is
                    torch's top-left convention)
     key padding    (B, m) boolean, True = real token: a padded key is seen by no query
     attn_mask      any boolean or additive mask broadcastable to (B, h, n, m)
+    window         query i sees only the last w keys: j > i + P - w (Mistral's sliding_window: key j is
+                   visible to query i iff i - w < j <= i)
+    ALiBi          head h's score of query i for key j gets -m_h · (i + P - j) (Press et al. 2022;
+                   `positional.alibi_slopes`)
 
 A stack builds one `AttentionMask` per forward and hands it to every layer, so the masks are
 combined once, not once per layer.
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from .positional import alibi_bias
 
 
 def causal_mask(n: int, m: int, *, offset: int = 0, device: torch.device | str | None = None) -> Tensor:
@@ -49,19 +54,26 @@ def and_masks(mask: Tensor | None, allowed: Tensor) -> Tensor:
 class AttentionMask:
     """The constraints on one batch's attention scores, in the forms the backends take.
 
-    is_causal    top-left causal masking (query i sees keys j <= i) on top of the other two;
-                 torch's sdpa and our flash kernel apply it without a mask tensor.
-    key_padding  (B, m) boolean, True = real token, or None; the only mask flash attention takes.
-    attn_mask    any other constraint, broadcastable to (B, h, n, m) (the user's mask, a causal
-                 mask shifted by cached positions), or None.
+    is_causal    causal masking (query i sees keys j <= i + offset) on top of the other constraints;
+                 torch's sdpa applies it without a mask tensor where offset = 0, our flash kernel at any
+                 offset.
+    key_padding  (B, m) boolean, True = real token, or None; the only mask tensor flash attention takes.
+    attn_mask    any other constraint, broadcastable to (B, h, n, m) (the user's mask), or None.
     dense        all of them in one mask broadcastable to (B, h, n, m), or None when nothing is
                  masked: what the step-by-step math path and sdpa (with more than causality) read.
+                 An ALiBi bias makes it additive.
+    offset       query i sits at key position i + offset (the P cached keys before it).
+    window       w: query i sees only keys j > i + offset - w; None when that hides no key.
+    alibi        ALiBi's slopes m_h (h,), or None: scores get -m_h · (i + offset - j).
     """
 
     is_causal: bool = False
     key_padding: Tensor | None = None
     attn_mask: Tensor | None = None
     dense: Tensor | None = None
+    offset: int = 0
+    window: int | None = None
+    alibi: Tensor | None = None
     # `additive_for`'s masks by dtype: made once per batch, not once per layer
     _additive: dict[torch.dtype, Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
@@ -69,45 +81,58 @@ class AttentionMask:
     @classmethod
     def build(cls, n: int, m: int, *, is_causal: bool = False, cached: int = 0,
               key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+              window: int | None = None, alibi: Tensor | None = None,
               device: torch.device | None = None) -> AttentionMask:
-        """Combine the constraints for n queries at positions cached .. cached+n-1 over m keys.
+        """Combine the constraints for n queries at positions cached .. cached+n-1 over m keys at
+        positions 0 .. m-1.
 
         key_padding_mask (B, m) and attn_mask (broadcastable to (B, h, n, m)) are taken as given:
-        validate them at the public boundary first (`check_masks`).
+        validate them at the public boundary first (`check_masks`). window: each query sees the last
+        `window` positions (itself included). alibi: the slopes (h,).
         """
-        if is_causal and cached > 0:
-            # torch's is_causal is top-left aligned: with P cached keys, query i sits at P + i
-            if n > 1:  # one newest query sees every key: nothing to mask
-                attn_mask = and_masks(attn_mask, causal_mask(n, m, offset=cached, device=device))
+        if is_causal and cached >= m - 1:  # every query sees every key: nothing to mask
             is_causal = False
+        if window is not None and n - 1 + cached < window:  # the last query's window reaches key 0
+            window = None
         dense = attn_mask
+        if alibi is not None:
+            bias = alibi_bias(alibi, torch.arange(cached, cached + n, device=device)[None],
+                              torch.arange(m, device=device)[None])  # (1, h, n, m)
+            dense = bias if dense is None else bias + _additive(dense, bias.dtype)
         if key_padding_mask is not None:
             dense = and_masks(dense, key_padding_mask[:, None, None, :])  # (B, 1, 1, m)
-        if is_causal and dense is not None:
-            dense = and_masks(dense, causal_mask(n, m, device=device))
-        elif is_causal:
-            dense = causal_mask(n, m, device=device)
-        return cls(is_causal, key_padding_mask, attn_mask, dense)
+        if is_causal:
+            dense = and_masks(dense, causal_mask(n, m, offset=cached, device=device))
+        if window is not None:
+            dense = and_masks(dense, ~causal_mask(n, m, offset=cached - window, device=device))  # j > i + P - w
+        return cls(is_causal, key_padding_mask, attn_mask, dense, cached, window, alibi)
 
     @property
     def only_causal(self) -> bool:
         """Nothing but (at most) the top-left causal mask: backends need no mask tensor."""
-        return self.key_padding is None and self.attn_mask is None
+        return (self.key_padding is None and self.attn_mask is None and self.window is None and self.alibi is None
+                and (not self.is_causal or self.offset == 0))
 
     def dense_for(self, dtype: torch.dtype) -> Tensor | None:
         """`dense` with an additive mask in the scores' dtype (boolean masks are kept)."""
         if self.dense is None or self.dense.dtype == torch.bool:
             return self.dense
-        return self.dense.to(dtype)
+        return self.additive_for(dtype)
 
     def additive_for(self, dtype: torch.dtype) -> Tensor | None:
-        """`dense` as an additive mask in `dtype`: 0 where a query may attend, -inf where not."""
-        if self.dense is None or self.dense.dtype != torch.bool:
-            return self.dense_for(dtype)
+        """`dense` as an additive mask in `dtype`: 0 (or the bias) where a query may attend, -inf where not."""
+        if self.dense is None:
+            return None
         if dtype not in self._additive:
-            self._additive[dtype] = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device
-                                                ).masked_fill_(~self.dense, float("-inf"))
+            self._additive[dtype] = _additive(self.dense, dtype)
         return self._additive[dtype]
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask as 0 / -inf in `dtype`; an additive one in `dtype`."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 NO_MASK = AttentionMask()
@@ -147,18 +172,28 @@ def check_mask_tensor(name: str, mask: Tensor, scores_shape: tuple[int, ...], de
                          f"of shape {scores_shape}")
 
 
-def padded_positions_and_mask(real: Tensor, cached: int = 0) -> tuple[Tensor, AttentionMask]:
-    """A batch of padded rows: real (B, m) boolean, True = real token, over m keys of which the last
-    n = m - cached are the queries -> (positions (B, n), the causal `AttentionMask`).
+def padded_positions_and_mask(real: Tensor, cached: int = 0, *, keys: int | None = None, window: int | None = None,
+                              alibi: Tensor | None = None) -> tuple[Tensor, AttentionMask]:
+    """A batch of padded rows: real (B, P + n) boolean, True = real token, over the P = `cached` positions
+    before the n queries and the queries -> (positions (B, n), the causal `AttentionMask` over the last
+    `keys` of them (default all P + n: a cache that keeps only a window's keys attends fewer)).
 
     A query's position counts the real tokens before it in its row, so each row is positioned as if
     alone. No query sees a padding key, except that a padding query sees itself: a row of scores with
     no key would be NaN, and its NaN values would reach the real queries of the next layer as 0 · NaN.
+    window and alibi (the slopes (h,)) take each row's own positions: query i sees key j if j > i - window;
+    the bias is -m_h · (i - j).
     """
-    m = real.shape[1]
-    n = m - cached
-    positions = (real.cumsum(1) - 1).clamp_min(0)[:, cached:]  # (B, n)
-    keys = torch.arange(m, device=real.device)
-    itself = keys[None, :] == torch.arange(cached, m, device=real.device)[:, None]  # (n, m)
-    allowed = causal_mask(n, m, offset=cached, device=real.device) & real[:, None, :] | itself  # (B, n, m)
-    return positions, AttentionMask.build(n, m, attn_mask=allowed.unsqueeze(1), device=real.device)
+    n = real.shape[1] - cached
+    m = real.shape[1] if keys is None else keys
+    key_positions = (real.cumsum(1) - 1).clamp_min(0)[:, -m:]  # (B, m)
+    positions = key_positions[:, m - n:]  # (B, n)
+    itself = torch.arange(m, device=real.device)[None, :] == torch.arange(m - n, m, device=real.device)[:, None]
+    allowed = causal_mask(n, m, offset=m - n, device=real.device) & real[:, None, -m:]  # (B, n, m)
+    if window is not None:
+        allowed &= key_positions[:, None, :] > positions[:, :, None] - window
+    allowed = (allowed | itself).unsqueeze(1)
+    if alibi is None:
+        return positions, AttentionMask.build(n, m, attn_mask=allowed, device=real.device)  # (B, 1, n, m)
+    bias = alibi_bias(alibi, positions, key_positions).masked_fill(~allowed, float("-inf"))  # (B, h, n, m)
+    return positions, AttentionMask.build(n, m, attn_mask=bias, device=real.device)

@@ -1,10 +1,15 @@
-"""Absolute positional encodings added to token embeddings (Vaswani et al. 2017, section 3.5).
+"""Positional encodings: absolute ones added to token embeddings (Vaswani et al. 2017, section 3.5), and
+ALiBi's linear biases of the attention scores (Press et al. 2022).
 
     PE(pos, 2i)   = sin(pos / 10000^(2i/d_model))
     PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
 
 Each (sin, cos) pair at frequency ω_i turns through the angle k·ω_i when pos advances by k, so
 PE(pos + k) = M_k · PE(pos) with M_k block-diagonal of 2×2 rotations, the same for every pos.
+
+ALiBi adds no embedding: head h's score of query i for key j gets -m_h · (i - j), a penalty linear in the
+distance, with the geometric slopes m_h of `alibi_slopes`. The masks add it (`masks.AttentionMask`), from
+each query's and key's position.
 
 The forwards do not check their inputs (they run in every model forward): the models check their
 token ids' shape and positions against their context length, once, at their entry.
@@ -103,3 +108,24 @@ class LearnedPositionalEmbedding(nn.Module):
         if positions is None:
             positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + self.embedding(positions)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi's slope m_h of each head (Press et al. 2022), float32 (n_heads,), by Bloom's rule for any count.
+
+    For a power of two h: m_i = 2^(-8i/h), i = 1 .. h (h = 8: 1/2, 1/4, ..., 1/256). Otherwise the p = 2^⌊log₂ h⌋
+    slopes of p heads come first, then the h - p slopes of 2p heads that fall between them (odd i):
+    2^(-8i/(2p)) for i = 1, 3, 5, ...
+    """
+    _checks.check_positive_int("n_heads", n_heads)
+    power = 2 ** math.floor(math.log2(n_heads))
+    exponents = [8 * i / power for i in range(1, power + 1)]
+    exponents += [8 * i / (2 * power) for i in range(1, 2 * (n_heads - power), 2)]
+    return torch.tensor([2.0 ** -e for e in exponents], dtype=torch.float64).float()
+
+
+def alibi_bias(slopes: Tensor, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+    """-m_h · (i - j) for slopes (h,), query positions i (B|1, n) and key positions j (B|1, m) -> (B|1, h, n, m),
+    in the slopes' dtype."""
+    distance = key_positions[:, None, None, :] - query_positions[:, None, :, None]  # j - i, (B|1, 1, n, m)
+    return slopes[:, None, None] * distance.to(slopes.dtype)
