@@ -112,7 +112,11 @@ def save_gguf(model: GPT, path: str | os.PathLike, *, dtype: str = "f32",
 
 
 def _check_expressible(config: GPTConfig, layout: Layout) -> None:
-    """What llama.cpp's gpt2 and llama graphs compute beyond the Hugging Face layouts' own checks."""
+    """What llama.cpp's gpt2, llama and qwen3 graphs compute beyond the Hugging Face layouts' own checks."""
+    if config.sliding_window is not None:
+        raise ValueError(f"sliding_window={config.sliding_window} has no GGUF layout here: llama.cpp's llama and "
+                         "qwen3 read no window, so every layer would attend to all earlier positions "
+                         "(sliding_window must be None)")
     if layout is GPT2 and config.activation not in ("gelu_tanh", "gelu"):
         raise ValueError(f"activation={config.activation!r} has no GGUF layout here: llama.cpp's gpt2 computes "
                          "GELU's tanh approximation (activation='gelu_tanh', or 'gelu', within 5e-4 of it)")
