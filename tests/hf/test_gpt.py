@@ -1,5 +1,5 @@
-"""A GPT's Hugging Face directory in and out (hf/gpt.py): tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models built locally
-with random weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
+"""A GPT's Hugging Face directory in and out (hf/gpt.py): tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models
+built locally with random weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
 `AutoTokenizer`. The layouts' own refusals are in test_gpt_layouts.py, the dispatch over families in
 test_auto.py."""
 

@@ -5,8 +5,8 @@ what a layout cannot express; tiny models built locally (no network)."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

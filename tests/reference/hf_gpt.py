@@ -1,6 +1,6 @@
-"""The tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models the Hugging Face tests share: our configs, transformers' configs of
-the same shapes written with transformers' own names (independent of plainformer's translation), directories
-transformers saves, and the comparisons the tests make."""
+"""The tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models the Hugging Face tests share: our configs,
+transformers' configs of the same shapes written with transformers' own names (independent of plainformer's
+translation), directories transformers saves, and the comparisons the tests make."""
 
 from __future__ import annotations
 

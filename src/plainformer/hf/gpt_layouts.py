@@ -314,8 +314,8 @@ def _mixtral_config_to_hf(config: GPTConfig) -> dict[str, Any]:
         raise ValueError(f"moe_every={config.moe_every} has no Hugging Face layout here: Mixtral's every "
                          "block is a Mixture of Experts (moe_every=1)")
     return {**hf, "num_local_experts": config.n_experts, "num_experts_per_tok": config.top_k,
-            "router_aux_loss_coef": config.aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": config.sliding_window,
-            "output_router_logits": False}
+            "router_aux_loss_coef": config.aux_loss_coef, "router_jitter_noise": 0.0,
+            "sliding_window": config.sliding_window, "output_router_logits": False}
 
 
 def _mixtral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
