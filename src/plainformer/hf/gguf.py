@@ -26,6 +26,10 @@ consecutive weights of a row is stored as 32 int8 q_j and one fp16 scale s = max
 (`gguf.quants`). Vectors (norms, biases) and the router stay f32, as llama.cpp's converter keeps them; at
 q8_0 a matrix whose rows are not a multiple of 32 long is written f16.
 
+A sliding window is refused: llama.cpp's `llama` and `qwen3` graphs read no window key (given
+`llama.attention.sliding_window`, xllamacpp's llama.cpp still attends to every earlier position), so the
+file would compute another function.
+
 A GELU model (activation "gelu", erf's: nanoGPT's) goes out as `gpt2` too, whose FFN llama.cpp computes with
 GELU's tanh approximation; the two differ by less than 5e-4 anywhere, and `save_gguf` says so in one line on
 stderr with what the difference does to this model's logits, measured (`tanh_gelu_effect`). llama.cpp's
