@@ -54,6 +54,26 @@ def test_exported_default_run_opens_in_transformers_with_equal_ids_logits_and_gr
     assert tokenizer.decode(theirs[0]) == ours.tokenizer.decode(ours.generate(prompt, 32, temperature=0.0)[0])
 
 
+def test_export_of_a_sliding_window_run_gives_mistral_and_its_gguf_is_refused_naming_the_window(capsys, tmp_path):
+    tokenizer = pf.CharTokenizer(pf.load_text())
+    torch.manual_seed(0)
+    model = pf.GPT(pf.GPTConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layers=2, n_heads=2, d_model=16,
+                                d_ff=32, dropout=0.0, norm="rmsnorm", activation="swiglu", pos_encoding="rope",
+                                bias=False, sliding_window=4)).eval()
+    pf.save_checkpoint(tmp_path / "run", model=model, family="gpt", model_config=model.config.to_dict(),
+                       tokenizer=tokenizer)
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", tmp_path / "run", "--out", tmp_path / "m.gguf")
+    assert code == 2 and stdout == "" and len(stderr.splitlines()) == 1
+    assert stderr.startswith("plainformer: error: sliding_window=4 has no GGUF layout here")
+    assert not (tmp_path / "m.gguf").exists()
+    code, stdout, _ = run_cli(capsys, "export", "--ckpt", tmp_path / "run", "--out", tmp_path / "hf")
+    assert code == 0 and json.loads(stdout.splitlines()[-1])["architecture"] == "MistralForCausalLM"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([tokenizer.encode(TEXT)])  # 19 tokens > 2w
+    with torch.no_grad():
+        assert (model(ids)[0] - theirs(ids).logits).abs().max().item() <= TOLERANCE
+
+
 def test_export_on_a_full_disk_says_so_in_one_line_and_leaves_no_directory(run, capsys, small_tmpfs):
     code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", small_tmpfs / "hf")
     assert code == 2 and stdout == ""

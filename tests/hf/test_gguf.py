@@ -330,7 +330,7 @@ def _refusal(case: str):
     ("sinusoidal", "pos_encoding='sinusoidal' has no Hugging Face layout"),
     ("value-residual", "value_residual=True has no Hugging Face or GGUF layout here"),
     ("attn_softcap", "attn_softcap=30.0 has no Hugging Face or GGUF layout here"),
-    ("sliding_window", "sliding_window=8 has no Hugging Face or GGUF layout here"),
+    ("sliding_window", "sliding_window=8 has no GGUF layout here: llama.cpp's llama and qwen3 read no window"),
     ("alibi", "pos_encoding='alibi' has no Hugging Face layout"),
     ("wordpiece", "a wordpiece tokenizer has no GGUF form here"),
     ("bpe-without-eos", "a BPE tokenizer without an end-of-text token has no GGUF form here"),

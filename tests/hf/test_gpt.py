@@ -1,5 +1,5 @@
-"""A GPT's Hugging Face directory in and out (hf/gpt.py): tiny GPT-2, Llama and Mixtral models built locally
-with random weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
+"""A GPT's Hugging Face directory in and out (hf/gpt.py): tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models
+built locally with random weights (no network), plainformer GPTs written for `AutoModelForCausalLM`, and tokenizers for
 `AutoTokenizer`. The layouts' own refusals are in test_gpt_layouts.py, the dispatch over families in
 test_auto.py."""
 
@@ -35,12 +35,13 @@ from tests.reference.hf_gpt import (
 )
 
 ARCHITECTURES = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "experts": "MixtralForCausalLM",
-                 "qk_norm": "Qwen3ForCausalLM"}
+                 "qk_norm": "Qwen3ForCausalLM", "sliding_window": "MistralForCausalLM"}
 
 
 def _architecture(name: str) -> str:
     c = CONFIGS[name]
-    return ARCHITECTURES["experts" if c.get("n_experts") else "qk_norm" if c.get("qk_norm") else c["pos_encoding"]]
+    variant = next((v for v in ("n_experts", "qk_norm", "sliding_window") if c.get(v)), None)
+    return ARCHITECTURES[{"n_experts": "experts"}.get(variant, variant) if variant else c["pos_encoding"]]
 
 
 def _assert_same_greedy_tokens(ours: pf.GPT, theirs: transformers.PreTrainedModel, prompt: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -36,6 +37,9 @@ from tests.reference.hf_gpt import (
     (GPT2, gpt_layouts.GPT2), (LLAMA, gpt_layouts.LLAMA), (MIXTRAL, gpt_layouts.MIXTRAL),
     (dict(GPT2, n_experts=4, top_k=2), gpt_layouts.MIXTRAL),  # experts decide before the positions
     (dict(LLAMA, qk_norm=True), gpt_layouts.QWEN3),
+    (dict(LLAMA, sliding_window=8), gpt_layouts.MISTRAL),
+    (dict(LLAMA, qk_norm=True, sliding_window=8), gpt_layouts.QWEN3),
+    (dict(MIXTRAL, sliding_window=8), gpt_layouts.MIXTRAL),
 ])
 def test_a_config_takes_the_layout_of_its_positions_or_of_its_experts(overrides, layout):
     assert gpt_layouts.layout_for(pf.GPTConfig(**TINY, **overrides)) is layout
@@ -57,7 +61,8 @@ def _minimal(**sizes):
 @pytest.mark.parametrize("layout, config_class, given", [
     (gpt_layouts.LLAMA, transformers.LlamaConfig, _minimal(num_attention_heads=4)),
     (gpt_layouts.MIXTRAL, transformers.MixtralConfig, _minimal(num_attention_heads=16)),
-], ids=["llama", "mixtral"])
+    (gpt_layouts.MISTRAL, transformers.MistralConfig, _minimal(num_attention_heads=16)),
+], ids=["llama", "mixtral", "mistral"])
 def test_a_key_a_rotary_config_json_leaves_out_takes_the_transformers_default(layout, config_class, given):
     ours = pf.GPTConfig.from_dict(layout.config_from_hf(given))
     theirs = config_class(**given)
@@ -67,6 +72,7 @@ def test_a_key_a_rotary_config_json_leaves_out_takes_the_transformers_default(la
     assert (ours.n_kv_heads or ours.n_heads) == theirs.num_key_value_heads
     assert ours.tie_weights == theirs.tie_word_embeddings
     assert ours.bias == getattr(theirs, "attention_bias", False)
+    assert ours.sliding_window == getattr(theirs, "sliding_window", None)
     if layout is gpt_layouts.MIXTRAL:
         assert (ours.n_experts, ours.top_k) == (theirs.num_local_experts, theirs.num_experts_per_tok)
         assert ours.aux_loss_coef == theirs.router_aux_loss_coef
@@ -157,12 +163,13 @@ def test_mixtral_in_transformers_own_fused_expert_names_loads(tmp_path):
     ("llama-tied", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama-tied", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope"),
     ("llama-tied", {"head_dim": 16}, "head_dim"),
-    ("llama-tied", {"model_type": "mistral"}, "mistral"),
-    ("mixtral-tied-top1", {"sliding_window": 8}, "sliding_window=8"),
+    ("llama-tied", {"model_type": "gemma"}, "gemma"),
+    ("qwen3-window", {"layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window=True on 1 of 2"),
+    ("qwen3-window", {"layer_types": None, "max_window_layers": 1}, "use_sliding_window=True on 1 of 2"),
     ("mixtral-tied-top1", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("mixtral-tied-top1", {"hidden_act": "gelu"}, "hidden_act"),
 ])
-def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_the_field(variant, change, field,
+def test_a_rotary_config_plainformer_cannot_express_is_refused_naming_the_field(variant, change, field,
                                                                                          tmp_path):
     _, directory = _hf_directory(variant, tmp_path)
     config = json.loads((directory / "config.json").read_text())
@@ -197,14 +204,28 @@ def test_a_llama_or_mixtral_config_plainformer_cannot_express_is_refused_naming_
     (dict(LLAMA, attn_softcap=30.0), "attn_softcap=30.0 has no Hugging Face or GGUF layout here"),
     (dict(LLAMA, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
     (dict(MIXTRAL, pos_encoding="alibi"), "pos_encoding='alibi' has no Hugging Face layout"),
-    (dict(LLAMA, sliding_window=8), "sliding_window=8 has no Hugging Face or GGUF layout here"),
-    (dict(GPT2, sliding_window=8), "sliding_window=8"),
+    (dict(GPT2, sliding_window=8), "sliding_window=8 has no Hugging Face layout here with pos_encoding='learned'"),
+    (dict(LLAMA, sliding_window=8, bias=True), "bias=True has no Hugging Face layout here: Mistral (sliding_window=8)"),
+    (dict(LLAMA, sliding_window=8, activation="gelu"), "activation='gelu' has no Hugging Face layout here: Mistral"),
 ])
 def test_a_config_no_layout_expresses_is_refused_naming_the_field(overrides, field, tmp_path):
     model = pf.GPT(pf.GPTConfig(**TINY, **overrides))
-    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(field)):
         pf.save_hf(model, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("window", [None, TINY["block_size"]])
+def test_a_mistral_window_null_or_of_every_position_loads_as_none(window, tmp_path):
+    theirs, directory = _hf_directory("mistral-tied", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    ours = pf.load_hf(directory)
+    assert ours.config.sliding_window is None
+    idx = _tokens()
+    with torch.no_grad():
+        assert _max_error(ours(idx)[0], _hf_logits(theirs, idx)) <= TOLERANCE
 
 
 def test_a_model_trained_from_zero_init_exports_as_any_and_transformers_gives_its_logits(tmp_path):

@@ -1,6 +1,6 @@
-"""The tiny GPT-2, Llama, Qwen3 and Mixtral models the Hugging Face tests share: our configs, transformers' configs of
-the same shapes written with transformers' own names (independent of plainformer's translation), directories
-transformers saves, and the comparisons the tests make."""
+"""The tiny GPT-2, Llama, Mistral, Qwen3 and Mixtral models the Hugging Face tests share: our configs,
+transformers' configs of the same shapes written with transformers' own names (independent of plainformer's
+translation), directories transformers saves, and the comparisons the tests make."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ CONFIGS = {
     "qwen3-tied": {**LLAMA, "qk_norm": True, "tie_weights": True},
     "mixtral-gqa-untied": {**MIXTRAL, "n_kv_heads": 2, "tie_weights": False},
     "mixtral-tied-top1": {**MIXTRAL, "top_k": 1, "tie_weights": True},
+    # A window of 5 keys: the 16-token sequences and the 40 tokens of greedy decoding exceed 2w.
+    "mistral-gqa-untied": {**LLAMA, "sliding_window": 5, "n_kv_heads": 2, "tie_weights": False},
+    "mistral-tied": {**LLAMA, "sliding_window": 5, "tie_weights": True},
+    "mixtral-window": {**MIXTRAL, "sliding_window": 5, "n_kv_heads": 2, "tie_weights": False},
+    "qwen3-window": {**LLAMA, "qk_norm": True, "sliding_window": 5, "tie_weights": True},
 }
 
 def _tokens(batch: int = 2, n: int = 16, seed: int = 1) -> torch.Tensor:
@@ -73,15 +78,27 @@ def _hf_config(name: str) -> transformers.PretrainedConfig:
             num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], max_position_embeddings=c["block_size"],
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             num_local_experts=c["n_experts"], num_experts_per_tok=c["top_k"], router_aux_loss_coef=0.02,
-            tie_word_embeddings=c["tie_weights"], sliding_window=None, bos_token_id=None, eos_token_id=None)
+            tie_word_embeddings=c["tie_weights"], sliding_window=c.get("sliding_window"), bos_token_id=None,
+            eos_token_id=None)
     if c.get("qk_norm"):
+        # Qwen3's window covers the layers from max_window_layers on: 0 puts it on every layer
+        window = c.get("sliding_window")
         return transformers.Qwen3Config(
             vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
             num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
             num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], head_dim=c["d_model"] // c["n_heads"],
             max_position_embeddings=c["block_size"], rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attention_bias=False,
-            use_sliding_window=False, tie_word_embeddings=c["tie_weights"], bos_token_id=None, eos_token_id=None)
+            use_sliding_window=window is not None, sliding_window=window, max_window_layers=0,
+            tie_word_embeddings=c["tie_weights"], bos_token_id=None, eos_token_id=None)
+    if c.get("sliding_window"):
+        return transformers.MistralConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
+            num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
+            num_key_value_heads=c.get("n_kv_heads") or c["n_heads"], max_position_embeddings=c["block_size"],
+            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            sliding_window=c["sliding_window"], tie_word_embeddings=c["tie_weights"], bos_token_id=None,
+            eos_token_id=None)
     return transformers.LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["d_model"], intermediate_size=c["d_ff"],
         num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],

@@ -26,6 +26,10 @@ consecutive weights of a row is stored as 32 int8 q_j and one fp16 scale s = max
 (`gguf.quants`). Vectors (norms, biases) and the router stay f32, as llama.cpp's converter keeps them; at
 q8_0 a matrix whose rows are not a multiple of 32 long is written f16.
 
+A sliding window is refused: llama.cpp's `llama` and `qwen3` graphs read no window key (given
+`llama.attention.sliding_window`, xllamacpp's llama.cpp still attends to every earlier position), so the
+file would compute another function.
+
 A GELU model (activation "gelu", erf's: nanoGPT's) goes out as `gpt2` too, whose FFN llama.cpp computes with
 GELU's tanh approximation; the two differ by less than 5e-4 anywhere, and `save_gguf` says so in one line on
 stderr with what the difference does to this model's logits, measured (`tanh_gelu_effect`). llama.cpp's
@@ -112,7 +116,11 @@ def save_gguf(model: GPT, path: str | os.PathLike, *, dtype: str = "f32",
 
 
 def _check_expressible(config: GPTConfig, layout: Layout) -> None:
-    """What llama.cpp's gpt2 and llama graphs compute beyond the Hugging Face layouts' own checks."""
+    """What llama.cpp's gpt2, llama and qwen3 graphs compute beyond the Hugging Face layouts' own checks."""
+    if config.sliding_window is not None:
+        raise ValueError(f"sliding_window={config.sliding_window} has no GGUF layout here: llama.cpp's llama and "
+                         "qwen3 read no window, so every layer would attend to all earlier positions "
+                         "(sliding_window must be None)")
     if layout is GPT2 and config.activation not in ("gelu_tanh", "gelu"):
         raise ValueError(f"activation={config.activation!r} has no GGUF layout here: llama.cpp's gpt2 computes "
                          "GELU's tanh approximation (activation='gelu_tanh', or 'gelu', within 5e-4 of it)")

@@ -2,9 +2,9 @@
 of `hf.auto`'s `save_hf` and `load_hf`), and the weight map that reads a layout's table.
 
 A directory is config.json + model.safetensors, the files `transformers.AutoModelForCausalLM.from_pretrained`
-reads (`save_hf` adds the tokenizer's files). The layouts, GPT-2, Llama and Mixtral, are the declarative
-tables of `hf.gpt_layouts`; `weight_map` expands a layout's table into one entry per Hugging Face tensor,
-which `state_from_hf` and `state_to_hf` follow in either direction.
+reads (`save_hf` adds the tokenizer's files). The layouts, GPT-2, Llama, Mistral, Qwen3 and Mixtral, are the
+declarative tables of `hf.gpt_layouts`; `weight_map` expands a layout's table into one entry per Hugging Face
+tensor, which `state_from_hf` and `state_to_hf` follow in either direction.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def gpt_config_to_hf(config: GPTConfig, tokenizer: Tokenizer | None = None, *,
 
 
 def gpt_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
-    """A GPTConfig from a GPT-2, Llama or Mixtral config.json."""
+    """A GPTConfig from a GPT-2, Llama, Mistral, Qwen3 or Mixtral config.json."""
     model_type = hf.get("model_type")
     if model_type is None:
         raise ValueError("config.json has no model_type: not a Hugging Face model directory (a plainformer "
@@ -195,7 +195,7 @@ def write_gpt_directory(model: GPT, directory: str | os.PathLike, tokenizer: Tok
 
 
 def read_gpt_directory(directory: Path, hf: Mapping[str, Any], *, backend: str = "auto") -> GPT:
-    """The GPT (in eval mode) of a GPT-2, Llama or Mixtral directory whose config.json holds `hf`."""
+    """The GPT (in eval mode) of a GPT-2, Llama, Mistral, Qwen3 or Mixtral directory whose config.json holds `hf`."""
     config = gpt_config_from_hf(hf, backend=backend)
     check_model_memory(config, "gpt")  # from config.json alone, before the weights are read
     weights = read_sharded_hf_weights(directory)

@@ -1,4 +1,4 @@
-"""The Hugging Face layouts of a GPT: GPT-2, Llama, Qwen3 and Mixtral, one `Layout` each, and `layout_for`.
+"""The Hugging Face layouts of a GPT: GPT-2, Llama, Mistral, Qwen3 and Mixtral, one `Layout` each, and `layout_for`.
 
 Each layout is a small declarative table of (Hugging Face module, our module(s), kind), with its
 config.json translation; `hf.gpt` reads the tables into tensors (`weight_map`). The kind says which
@@ -26,6 +26,13 @@ axis, e.g. GPT-2's c_attn = [W_q | W_k | W_v] (equal parts, as GPT-2 has no grou
     transformer.h.{i}.mlp.c_proj              ...mlp.down_proj                     blocks.{i}.ff.W_2
     transformer.ln_f                          model.norm                           norm
     lm_head (untied only)                     lm_head (untied only)                lm_head
+
+Mistral (MistralForCausalLM) is Llama without biases and with a sliding window (a GPT with
+sliding_window=w): query i sees keys i − w < j ≤ i in every layer, config.json's `sliding_window`; its weights
+are named as Llama's. A null window, or one of at least max_position_embeddings, is none. Mixtral's
+`sliding_window` is the same window; Qwen3's applies to the layers from max_window_layers on, so a windowed
+QK-norm GPT writes use_sliding_window=True, max_window_layers=0 and every layer_types entry
+"sliding_attention" (a Qwen3 windowed on some layers only is refused).
 
 Qwen3 (Qwen3ForCausalLM) is Llama with QK-norm (a GPT with qk_norm=True): each head's query and key
 RMS-normalised over d_k before rotary, one weight of d_k shared by the heads:
@@ -226,22 +233,63 @@ LLAMA = _rotary_layout("llama", "LlamaForCausalLM", _SWIGLU,
                        config_to_hf=_llama_config_to_hf, config_from_hf=_llama_config_from_hf)
 
 
+_SLIDING = "sliding_attention"  # a windowed layer in transformers' layer_types
+
+
+def _window_from_hf(hf: Mapping[str, Any], block_size: int) -> int | None:
+    """config.json's sliding_window as ours: None for null or for a window of at least every position."""
+    window = hf.get("sliding_window")
+    return window if window is not None and window < block_size else None
+
+
+def _mistral_config_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """Llama's keys with the window; Mistral's linear layers have no bias."""
+    layout = f"Mistral (sliding_window={config.sliding_window})"
+    _require(config, activation="swiglu", layout=layout)
+    _require(config, bias=False, layout=layout)
+    return {**_rotary_config_to_hf(config, "Mistral"), "sliding_window": config.sliding_window}
+
+
+def _mistral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    hf = {**_MISTRAL_DEFAULTS, **hf}
+    rotary = _rotary_config_from_hf(hf)
+    return {**rotary, "bias": False, "sliding_window": _window_from_hf(hf, rotary["block_size"])}
+
+
+# What MistralConfig assumes for a key its config.json leaves out, where Llama's differs.
+_MISTRAL_DEFAULTS = {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096}
+
+MISTRAL = _rotary_layout("mistral", "MistralForCausalLM", _SWIGLU,
+                         config_to_hf=_mistral_config_to_hf, config_from_hf=_mistral_config_from_hf)
+
+
 def _qwen3_config_to_hf(config: GPTConfig) -> dict[str, Any]:
     """Llama's keys with QK-norm, which Qwen3 always has, and no bias (its MLP has none)."""
     _require(config, activation="swiglu", layout="Qwen3")
     _require(config, bias=False, layout="Qwen3")
-    return {**_rotary_config_to_hf(config, "Qwen3"), "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": config.n_layers}
+    window = config.sliding_window
+    return {**_rotary_config_to_hf(config, "Qwen3"), "attention_bias": False, "use_sliding_window": window is not None,
+            "sliding_window": window, "max_window_layers": 0 if window is not None else config.n_layers,
+            "layer_types": [_SLIDING if window is not None else "full_attention"] * config.n_layers}
 
 
 def _qwen3_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias", False):
         raise ValueError("attention_bias=True is not supported for Qwen3: plainformer has one bias switch, and "
                          "Qwen3's MLP has no bias")
-    if hf.get("use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported for Qwen3: its window covers only the layers "
-                         "past max_window_layers, where plainformer's sliding_window covers every layer")
-    return {**_rotary_config_from_hf(hf), "bias": False, "qk_norm": True}
+    rotary = _rotary_config_from_hf(hf)
+    window = _window_from_hf(hf, rotary["block_size"]) if hf.get("use_sliding_window", False) else None
+    if window is not None:
+        n_layers = rotary["n_layers"]
+        # Qwen3Config's own default: the window on the layers from max_window_layers (28) on
+        types = hf.get("layer_types") or [_SLIDING if i >= hf.get("max_window_layers", 28) else "full_attention"
+                                          for i in range(n_layers)]
+        windowed = sum(t == _SLIDING for t in types)
+        if windowed not in (0, n_layers):
+            raise ValueError(f"use_sliding_window=True on {windowed} of {n_layers} layers (max_window_layers / "
+                             "layer_types) is not supported: plainformer's sliding_window covers every layer")
+        window = window if windowed else None
+    return {**rotary, "bias": False, "qk_norm": True, "sliding_window": window}
 
 
 QWEN3 = _rotary_layout("qwen3", "Qwen3ForCausalLM", _SWIGLU, attention=_QK_NORMS,
@@ -266,22 +314,19 @@ def _mixtral_config_to_hf(config: GPTConfig) -> dict[str, Any]:
         raise ValueError(f"moe_every={config.moe_every} has no Hugging Face layout here: Mixtral's every "
                          "block is a Mixture of Experts (moe_every=1)")
     return {**hf, "num_local_experts": config.n_experts, "num_experts_per_tok": config.top_k,
-            "router_aux_loss_coef": config.aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": None,
-            "output_router_logits": False}
+            "router_aux_loss_coef": config.aux_loss_coef, "router_jitter_noise": 0.0,
+            "sliding_window": config.sliding_window, "output_router_logits": False}
 
 
 def _mixtral_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     hf = {**_MIXTRAL_DEFAULTS, **hf}
-    block_size = hf["max_position_embeddings"]
-    window = hf.get("sliding_window")
-    if window is not None and window < block_size:
-        raise ValueError(f"sliding_window={window} is not supported: the Mixtral layout here reads no window "
-                         f"(sliding_window must be null or at least max_position_embeddings={block_size})")
     if hf.get("router_jitter_noise", 0.0):
         raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported: plainformer's "
                          "router takes its input unperturbed (router_jitter_noise must be 0)")
-    return {**_rotary_config_from_hf(hf), "bias": False, "n_experts": hf["num_local_experts"],
-            "top_k": hf["num_experts_per_tok"], "aux_loss_coef": hf["router_aux_loss_coef"], "z_loss_coef": 0.0}
+    rotary = _rotary_config_from_hf(hf)
+    return {**rotary, "bias": False, "n_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
+            "aux_loss_coef": hf["router_aux_loss_coef"], "z_loss_coef": 0.0,
+            "sliding_window": _window_from_hf(hf, rotary["block_size"])}
 
 
 def _zero_router_biases(config: GPTConfig) -> dict[str, Tensor]:
@@ -321,9 +366,8 @@ MIXTRAL = _rotary_layout(
     config_to_hf=_mixtral_config_to_hf, config_from_hf=_mixtral_config_from_hf,
     buffers=_zero_router_biases, renamed=_per_expert)
 
-LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, QWEN3, MIXTRAL)}
+LAYOUTS = {layout.model_type: layout for layout in (GPT2, LLAMA, MISTRAL, QWEN3, MIXTRAL)}
 _LAYOUT_OF_POSITIONS = {"learned": GPT2, "rope": LLAMA}
-# Attention variants none of the layouts above computes, at the value that switches each off.
 
 
 def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
@@ -335,7 +379,7 @@ def _require(config: GPTConfig, *, layout: str, **expected: Any) -> None:
 
 # GPTConfig fields that change what the model computes and that none of these architectures has, at the value
 # that leaves them out. (zero_init changes the initialisation alone: a model trained with it exports as any.)
-_ONLY_OURS: dict[str, Any] = dict(attn_softcap=None, sliding_window=None, logit_softcap=None, embed_norm=False,
+_ONLY_OURS: dict[str, Any] = dict(attn_softcap=None, logit_softcap=None, embed_norm=False,
                                   x0_mix=False, value_residual=False, token_shift=False, bigram_embedding=False)
 
 
@@ -346,12 +390,12 @@ def field_without_layout(config: GPTConfig) -> str | None:
 
 def layout_for(config: GPTConfig) -> Layout:
     """The layout a GPT with this config exports to: Mixtral with experts, else Qwen3 with QK-norm, else
-    GPT-2 for learned positions, Llama for rotary; refused, naming the field, for a variant none of them
-    computes."""
+    Mistral with a sliding window, else GPT-2 for learned positions, Llama for rotary; refused, naming the
+    field, for a variant none of them computes."""
     field = field_without_layout(config)
     if field is not None:
         raise ValueError(f"{field}={getattr(config, field)!r} has no Hugging Face or GGUF layout here: "
-                         f"GPT-2, Llama, Qwen3 and Mixtral need {field}={_ONLY_OURS[field]!r}")
+                         f"GPT-2, Llama, Mistral, Qwen3 and Mixtral need {field}={_ONLY_OURS[field]!r}")
     if config.n_experts:
         _require(config, layout="Mixtral (experts)", qk_norm=False)
         return MIXTRAL
@@ -360,6 +404,12 @@ def layout_for(config: GPTConfig) -> Layout:
             raise ValueError(f"qk_norm=True has no Hugging Face layout here with pos_encoding="
                              f"{config.pos_encoding!r}: Qwen3, the layout with QK-norm, needs pos_encoding='rope'")
         return QWEN3
+    if config.sliding_window is not None and config.pos_encoding == "rope":
+        return MISTRAL
+    if config.sliding_window is not None:
+        raise ValueError(f"sliding_window={config.sliding_window} has no Hugging Face layout here with "
+                         f"pos_encoding={config.pos_encoding!r}: Mistral, the layout with a window, needs "
+                         "pos_encoding='rope'")
     if config.pos_encoding not in _LAYOUT_OF_POSITIONS:
         raise ValueError(f"pos_encoding={config.pos_encoding!r} has no Hugging Face layout: GPT-2 learns "
                          "positions (pos_encoding='learned'), Llama rotates them (pos_encoding='rope')")
