@@ -136,6 +136,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "alibi": (dict(pos_encoding="alibi"), {}),
     "sliding window 64": (dict(sliding_window=64), {}),
     "sliding window 32": (dict(sliding_window=32), {}),
+    # The ninth round: the four that beat the default at 600 equal steps on both seeds (docs/experiments.md),
+    # together, at equal wall time.
+    "issue-49 winners": (dict(qk_norm=True, sliding_window=64, bigram_embedding=True, value_residual=True), {}),
     # modded-nanogpt's block as the issue lists it, all at once: a reference for the round that combines winners.
     "speedrun block": (dict(activation="relu2", d_ff=512, qk_norm=True, zero_init=True, tie_weights=False,
                             embed_norm=True, value_residual=True, x0_mix=True, logit_softcap=15.0), {}),
