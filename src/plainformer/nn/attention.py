@@ -347,7 +347,9 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         heads = x.view(batch, length, n_heads, self.head_dim)  # (B, n, h, d_k)
         if norm is not None:
-            heads = norm(heads)
+            # Back to the projection's dtype: under bf16 autocast the norm's float32 weight would promote the
+            # queries and keys to float32, and attention would then run on float32 scores beside bf16 values.
+            heads = norm(heads).to(heads.dtype)
         return heads.transpose(1, 2)
 
     def project_q(self, query: Tensor) -> Tensor:
