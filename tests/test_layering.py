@@ -90,6 +90,16 @@ def test_module_imports_only_from_its_own_layer_or_below(path: Path) -> None:
     assert not upward, f"{path.relative_to(PACKAGE)} ({_layer(path)}) imports {upward} from above it"
 
 
+def layer_imports() -> dict[str, set[str]]:
+    """Each layer above the base -> the layers it imports from, besides its own and the base modules."""
+    base = set(LAYERS[0])
+    found: dict[str, set[str]] = {layer: set() for names in LAYERS[1:] for layer in names}
+    for path in MODULES:
+        if (own := _layer(path)) not in base:
+            found[own] |= {_layer_of_name(name) for name in imported_modules(path)} - base - {own}
+    return found
+
+
 def _import_graph() -> dict[str, set[str]]:
     graph = {}
     for path in MODULES:
