@@ -58,9 +58,10 @@ def test_a_body_that_is_no_json_object_is_a_400(raw):
     assert raised.value.status == 400
 
 
-@pytest.mark.parametrize("parse", [lambda b: parse_completion({**b, "prompt": "a"}, max_n=1),
-                                   lambda b: parse_chat({**b, "messages": [{"role": "user", "content": "a"}]}, max_n=1)],
-                         ids=["completion", "chat"])
+@pytest.mark.parametrize("parse", [
+    lambda b: parse_completion({**b, "prompt": "a"}, max_n=1),
+    lambda b: parse_chat({**b, "messages": [{"role": "user", "content": "a"}]}, max_n=1),
+], ids=["completion", "chat"])
 def test_logit_bias_is_read_as_sorted_id_bias_pairs_on_both_endpoints(parse):
     body = {"model": "m", "logit_bias": {"12": -100, "3": 2.5, "7": 100}}
     assert parse(body).decoding.logit_bias == ((3, 2.5), (7, 100.0), (12, -100.0))

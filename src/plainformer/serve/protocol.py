@@ -142,6 +142,8 @@ def parse_embeddings(body: dict[str, Any], max_inputs: int = MAX_EMBEDDING_INPUT
     if not isinstance(model, str):
         raise APIError("model must be a string naming the model (GET /v1/models lists it)", param="model")
     inputs = _prompts(body, max_inputs, name="input")
+    if "" in inputs:  # OpenAI refuses it too: an embedding of nothing
+        raise APIError("input must not hold an empty string", param="input")
     encoding = _optional(body, "encoding_format", lambda v: isinstance(v, str), lambda v: v in EMBEDDING_FORMATS,
                          " or ".join(map(repr, EMBEDDING_FORMATS)), default="float")
     dimensions = _optional(body, "dimensions", _is_int, lambda v: v >= 1, "an integer >= 1")
