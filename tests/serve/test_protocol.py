@@ -32,7 +32,7 @@ def test_a_prompt_is_a_text_texts_ids_or_lists_of_ids(prompt, prompts):
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted():
-    body = {"model": "m", "prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+    body = {"model": "m", "prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0,
             "best_of": 2, "n": 2, "suffix": None, "user": "someone", "an_unknown_field": 1}
     assert parse_completion(body, max_n=2).decoding.n == 2
     with pytest.raises(APIError, match="best_of is not supported") as raised:

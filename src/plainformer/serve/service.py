@@ -52,13 +52,12 @@ class Service:
 
     def __init__(self, model: GPT | None, name: str, *, embedder: Embedder | None = None, max_batch: int = 16,
                  max_queue: int = 64, max_response_tokens: int = MAX_RESPONSE_TOKENS):
+        tokenizer = model.tokenizer if model is not None else None if embedder is None else embedder.tokenizer
         if model is None and embedder is None:
             raise ValueError("a service needs a model that generates or one that embeds")
-        if model is not None and model.tokenizer is None:
+        if tokenizer is None:
             raise ValueError("the model has no tokenizer, so text cannot be encoded")
         _checks.check_positive_int("max_response_tokens", max_response_tokens)
-        tokenizer = model.tokenizer if model is not None else embedder.tokenizer  # type: ignore[union-attr]
-        assert tokenizer is not None
         self.model, self.embedder, self.tokenizer, self.name = model, embedder, tokenizer, name
         self.batcher = None if model is None else ContinuousBatcher(model.decoder(), max_rows=max_batch,
                                                                     max_queue=max_queue)
