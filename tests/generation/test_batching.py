@@ -322,3 +322,47 @@ def test_a_cancelled_waiting_job_frees_its_queue_place_at_once(model):
     assert batcher.queued == 0 and leaving.cancelled
     batcher.submit(Job([1], 1, Collector()))  # the place it held
     assert batcher.queued == 1
+
+
+def _biased_alone(model: pf.GPT, prompt: list[int], new: int, bias: dict[int, float]) -> tuple[list[int], list[float]]:
+    """Greedy decoding of z + bias one token at a time by full forwards in float64, and log-softmax(z + bias)
+    of each token drawn: the reference for a biased row."""
+    ids, logprobs = list(prompt), []
+    add = torch.zeros(VOCAB, dtype=torch.float64)
+    for token, b in bias.items():
+        add[token] += b
+    with torch.no_grad():
+        for _ in range(new):
+            logp = torch.log_softmax(model(torch.tensor([ids]))[0][0, -1].double() + add, dim=-1)
+            ids.append(int(logp.argmax()))
+            logprobs.append(float(logp.max()))
+    return ids[len(prompt):], logprobs
+
+
+def test_logit_bias_forces_bans_and_is_in_the_reported_logprobs(model, batcher):
+    prompt, new = [2, 3, 5], 8
+    greedy = alone(model, prompt, new, 0.0, 0)
+    cases = [{7: 100.0}, {greedy[0]: -100.0, greedy[1]: -100.0}, {4: 3.5, 9: -2.0}]
+    collectors = [Collector(2) for _ in cases]  # two rows each, beside an unbiased job
+    plain = Collector()
+    for bias, collector in zip(cases, collectors, strict=True):
+        batcher.submit(Job(prompt, new, collector, sampling=Sampling(temperature=0.0, logit_bias=tuple(bias.items())),
+                           seeds=[0, 1], logprobs=0))
+    batcher.submit(Job(prompt, new, plain, sampling=Sampling(temperature=0.0)))
+    for collector in [*collectors, plain]:
+        assert collector.done.wait(30)
+    assert plain.tokens() == greedy  # a neighbour's bias is its own
+    assert collectors[0].tokens() == [7] * new  # +100 forces
+    assert greedy[0] not in collectors[1].tokens() and greedy[1] not in collectors[1].tokens()  # -100 bans
+    for bias, collector in zip(cases, collectors, strict=True):
+        tokens, logprobs = _biased_alone(model, prompt, new, bias)
+        for choice in (0, 1):
+            assert collector.tokens(choice) == tokens
+            reported = [e.logprob for e in collector.events if isinstance(e, Token) and e.choice == choice]
+            assert reported == pytest.approx(logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("pair", [(-1, 1.0), (3, 100.5), (3, float("nan")), (3, -101)])
+def test_a_logit_bias_outside_its_range_is_refused(pair):
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampling(logit_bias=(pair,))

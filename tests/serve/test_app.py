@@ -449,3 +449,83 @@ def test_a_bug_is_a_500_with_its_traceback_logged_once(capsys):
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "RuntimeError: a bug" in err
+
+
+# ---------------------------------------------------------------------------- logit_bias, /tokenize, /detokenize
+
+
+def biased_greedy(reference, prompt: str, new: int, bias: dict[int, float]) -> tuple[str, list[float]]:
+    """Greedy decoding of z + bias by full forwards in float64, and log-softmax(z + bias) of each token drawn."""
+    model, tokenizer = reference
+    ids, logprobs = tokenizer.encode(prompt), []
+    add = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    for token, b in bias.items():
+        add[token] = b
+    with torch.no_grad():
+        for _ in range(new):
+            logp = torch.log_softmax(model(torch.tensor([ids]))[0][0, -1].double() + add, dim=-1)
+            ids.append(int(logp.argmax()))
+            logprobs.append(float(logp.max()))
+    return tokenizer.decode(ids[len(tokenizer.encode(prompt)):]), logprobs
+
+
+def test_logit_bias_forces_and_bans_tokens_and_its_logprobs_include_the_bias(client, reference):
+    _, tokenizer = reference
+    prompt, new = "To be, or", 6
+    forced = tokenizer.encode("W")[0]
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=new, temperature=0,
+                                       logit_bias={str(forced): 100})
+    assert answer.choices[0].text == "W" * new
+    plain = greedy(reference, prompt, new)
+    banned = {tokenizer.encode(plain[0])[0]: -100.0, tokenizer.encode(plain[1])[0]: -100.0}
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=new, temperature=0, logprobs=0,
+                                       logit_bias={str(t): b for t, b in banned.items()})
+    text, logprobs = biased_greedy(reference, prompt, new, banned)
+    assert answer.choices[0].text == text and plain[0] not in text and plain[1] not in text
+    assert answer.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-5)  # OpenAI's: biased
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "To be"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == "WWW"
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+@pytest.mark.parametrize("bias", [{"1000000": 1}, {"1": 101}, {"x": 1}])
+def test_a_logit_bias_outside_the_vocabulary_or_range_is_a_400_naming_it(server, path, bias):
+    body = {"model": MODEL, "max_tokens": 1, "logit_bias": bias, "prompt": "To",
+            "messages": [{"role": "user", "content": "To"}]}
+    assert_error(post(server, path, body), 400, "logit_bias")
+
+
+def root_post(server, path: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server.root}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_tokenize_and_detokenize_answer_in_llama_cpps_shape(server, reference):
+    _, tokenizer = reference
+    text = "To be, or not"
+    tokens = root_post(server, "/tokenize", {"content": text}).json()
+    assert tokens == {"tokens": tokenizer.encode(text)}
+    pieces = root_post(server, "/tokenize", {"content": text, "with_pieces": True, "add_special": True}).json()
+    assert pieces == {"tokens": [{"id": i, "piece": c} for i, c in zip(tokens["tokens"], text, strict=True)]}
+    assert root_post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"content": text}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"content": ["a"]}, "content"),
+    ("/tokenize", {"content": "a\u00e9\u4e2d"}, "content"),  # characters the vocabulary lacks
+    ("/detokenize", {"tokens": [0, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": "To"}, "tokens"),
+])
+def test_bad_tokenize_and_detokenize_requests_are_400s_naming_the_field(server, path, body, param):
+    assert_error(root_post(server, path, body), 400, param)
+
+
+def test_tokenize_wants_the_api_key(server):
+    assert_error(root_post(server, "/tokenize", {"content": "To"}, key=None), 401, None)
+
+
+def test_a_gpt_served_without_a_pooling_refuses_embeddings_naming_model(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.embeddings.create(model=MODEL, input="To be")
+    assert raised.value.body["param"] == "model" and "--pooling" in raised.value.body["message"]

@@ -212,3 +212,13 @@ def test_an_int8_server_answers_as_sample_quantized_does(run, capsys):
     assert main(["sample", "--ckpt", str(run), "--quantize", "int8", "--prompt", "To be", "--max-new-tokens", "30",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "To be" + text + "\n"
+
+
+@pytest.mark.parametrize("flag", [["--pooling", "last"], ["--quantize", "int8"]])
+def test_a_gpts_flag_given_with_a_bert_is_one_line(flag):
+    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", "minilm", "--port", "0", *flag],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"plainformer: error: {flag[0]} is for a GPT; minilm holds a BERT, which embeds as plainformer embed does "
+        "(mean pooling)"]

@@ -1,6 +1,7 @@
 """`plainformer serve`: the model of a run, a LoRA run or a Hugging Face GPT-2 / Llama / Mixtral directory
 behind an OpenAI-compatible HTTP API (`plainformer.serve`), every request decoded in one continuously
-batched run.
+batched run; or a BERT (MiniLM, a Hugging Face BERT directory, a BERT run) that answers /v1/embeddings as
+`plainformer embed` computes them. A GPT embeds too when given --pooling.
 
 It binds the address itself before serving, so a port in use is one line, and `--port 0` takes a free
 port; the line it logs names the URL it listens on and the model. A key that no request could send
@@ -20,13 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from ..families.family import checkpoint_dir
+from ..families.finetuning import base_family
 from ..families.gpt import check_decoding_memory, load_language_model
+from ..hf.bert import MINILM_NAME
 from ..inference import for_decoding
 from ..launch import log
 from ..nn.lora import unload_lora
 from ..serve.chat import TIMEOUT_S as TEMPLATE_TIMEOUT_S
+from ..serve.embeddings import POOLINGS, PooledGPT, SentenceEmbedder
 from ..serve.limits import FILES_RESERVED, Connections, raise_file_limit
-from ..serve.service import MAX_RESPONSE_TOKENS
+from ..serve.service import MAX_RESPONSE_TOKENS, Service
 from . import (
     QUANTIZE_HELP,
     UserError,
@@ -36,6 +40,7 @@ from . import (
     positive_float,
     positive_int,
 )
+from .embed import DTYPES, load_encoder
 
 GRACE_S = 3  # how long requests in flight may take to finish once a stop is asked for
 
@@ -43,11 +48,13 @@ GRACE_S = 3  # how long requests in flight may take to finish once a stop is ask
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "serve", help="serve a GPT over an OpenAI-compatible HTTP API",
-        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health) "
-                    "over one model, with continuous batching. Needs the serve extra: "
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
+                    "/tokenize, /detokenize, /health, /metrics) over one model, with continuous batching. A BERT "
+                    "(minilm, or a BERT directory or run) answers /v1/embeddings only. Needs the serve extra: "
                     "pip install 'plainformer[serve]'.")
     parser.add_argument("--ckpt", type=Path, required=True,
-                        help="checkpoint directory, run directory, or Hugging Face GPT-2/Llama/Mixtral directory")
+                        help="checkpoint directory, run directory, or Hugging Face GPT-2/Llama/Mixtral directory; "
+                             f"or {MINILM_NAME}, a Hugging Face BERT directory or a BERT run, to serve embeddings")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s; 0: a free one)")
     parser.add_argument("--api-key", metavar="KEY", type=_api_key,
@@ -62,6 +69,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                              "a request that could exceed it is answered 400 (default: %(default)s)")
     parser.add_argument("--model-name", metavar="NAME",
                         help="the model's id in the API (default: the directory's name)")
+    parser.add_argument("--pooling", choices=POOLINGS,
+                        help="let a GPT answer /v1/embeddings: the mean or the last of its final hidden states, "
+                             "L2-normalised (default: a GPT does not embed)")
     add_dtype_argument(parser)
     parser.add_argument("--quantize", choices=("int8",), help=QUANTIZE_HELP)
     add_max_memory_argument(parser)
@@ -102,7 +112,6 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         from ..serve import server
         from ..serve.app import create_app
         from ..serve.chat import TemplateRenderer
-        from ..serve.service import Service
     except ImportError as error:
         raise UserError(f"plainformer serve needs the serve extra ({error.name} is missing): "
                         "pip install 'plainformer[serve]'") from None
@@ -116,20 +125,14 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         sock = server.listen(args.host, args.port)
     except OSError as error:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
-    path = checkpoint_dir(args.ckpt)
-    model, _ = load_language_model(path, args.dtype, quantized=args.quantize)
-    unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
-    check_decoding_memory(model, args.max_batch, model.config.block_size, f"serving --max-batch {args.max_batch} rows")
-    for_decoding(model)
     name = args.model_name or _default_name(args.ckpt)
-    service = Service(model.eval(), name, max_batch=args.max_batch, max_queue=args.max_queue,
-                      max_response_tokens=args.max_response_tokens)
+    service = _service(args, name)
     renderer = TemplateRenderer(service.tokenizer, name, timeout_s=args.timeout_template)
     try:
         renderer.start()
     except ValueError as error:
         renderer.close()
-        raise UserError(f"the chat template of {path} {error}") from None
+        raise UserError(f"the chat template of {args.ckpt} {error}") from None
     # what is loaded by now (torch's objects, the model's: 330,000 for a small model) lives until exit: frozen,
     # no garbage collection walks it again, so that parsing a body of half a million prompts holds the
     # interpreter 0.2 s, not 1.4 s
@@ -139,11 +142,38 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         log(f"plainformer serve: warning: listening on {host}, beyond this machine, with no --api-key: "
             "anyone who reaches it can use the model")
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-    ready = f"plainformer serve: {name} at {url} (--max-batch {args.max_batch}); Ctrl-C to stop"
+    serving = f"--max-batch {args.max_batch}" if service.batcher is not None else "embeddings"
+    ready = f"plainformer serve: {name} at {url} ({serving}); Ctrl-C to stop"
     start = time.perf_counter()
     app = create_app(service, api_key=args.api_key, renderer=renderer, on_ready=lambda: log(ready))
-    server.run(app, sock, service.batcher, grace_s=args.timeout_shutdown, connections=connections)
-    return {"model": name, "served_s": time.perf_counter() - start, "decoding_steps": service.batcher.steps}
+    server.run(app, sock, service.batcher or server.Idle(), grace_s=args.timeout_shutdown, connections=connections)
+    return {"model": name, "served_s": time.perf_counter() - start,
+            "decoding_steps": 0 if service.batcher is None else service.batcher.steps}
+
+
+def _service(args: argparse.Namespace, name: str) -> Service:
+    """The Service of --ckpt: a GPT (embedding too with --pooling), or a BERT that only embeds."""
+    if str(args.ckpt) == MINILM_NAME:
+        family = "bert"
+    else:
+        path = checkpoint_dir(args.ckpt)
+        family = base_family(str(path))
+    if family == "bert":
+        for flag, value in (("--pooling", args.pooling), ("--quantize", args.quantize)):
+            if value is not None:
+                raise UserError(f"{flag} is for a GPT; {args.ckpt} holds a BERT, which embeds as plainformer embed "
+                                "does (mean pooling)")
+        encoder = load_encoder(str(args.ckpt))
+        return Service(None, name, embedder=SentenceEmbedder(encoder, dtype=DTYPES[args.dtype]),
+                             max_response_tokens=args.max_response_tokens)
+    model, _ = load_language_model(path, args.dtype, quantized=args.quantize)
+    unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
+    check_decoding_memory(model, args.max_batch, model.config.block_size, f"serving --max-batch {args.max_batch} rows")
+    for_decoding(model)
+    model.eval()
+    embedder = None if args.pooling is None else PooledGPT(model, args.pooling)
+    return Service(model, name, embedder=embedder, max_batch=args.max_batch, max_queue=args.max_queue,
+                         max_response_tokens=args.max_response_tokens)
 
 
 def _default_name(ckpt: Path) -> str:

@@ -16,7 +16,8 @@ requests, then advances every row by one token:
 
 Each row samples with its own settings and generator (`draw_next`; a seed s gives the draws of
 `plainformer sample --seed s`), and reports log-softmax(z) of the token it drew and the top
-alternatives when asked (z: the raw logits, before temperature or truncation). A request's prompt plus
+alternatives when asked (z: the logits plus the row's logit_bias, as OpenAI reports them, before
+temperature or truncation). A request's prompt plus
 max_new_tokens must fit block_size: the context never slides here.
 """
 
@@ -58,14 +59,20 @@ class BatchDecoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How a row draws: `draw_next`'s settings; seed None = a fresh random generator."""
+    """How a row draws: `draw_next`'s settings; seed None = a fresh random generator. logit_bias: (token id,
+    b) pairs, b in [-100, 100] added to that token's logit before anything else (OpenAI's logit_bias)."""
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
+        for token, bias in self.logit_bias:
+            if not _checks.is_int(token) or token < 0 or not (_checks.is_number(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias must pair token ids >= 0 with biases in [-100, 100], got "
+                                 f"({token!r}, {bias!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +143,7 @@ class _Row:
     cached: int  # positions in the cache: the prompt and every token drawn but the last
     last: int = 0  # the newest token, fed at the next step
     drawn: list[int] = dataclasses.field(default_factory=list)
+    bias: tuple[Tensor, Tensor] | None = None  # its logit_bias on the device (ids, values), made at its first draw
 
 
 class QueueFull(RuntimeError):
@@ -310,6 +318,7 @@ class ContinuousBatcher:
     def _advance(self, rows: list[_Row], logits: Tensor) -> list[bool]:
         """Draw each row's next token from its logits (B, V) and report it -> which rows are done. A row
         with no distribution to draw from fails its own job alone: the other requests' rows go on."""
+        logits = _biased(rows, logits)
         tokens, undefined = _draw(rows, logits)
         scores = _scores(rows, logits, tokens)
         finished = []
@@ -352,6 +361,22 @@ class ContinuousBatcher:
 
 def _generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def _biased(rows: list[_Row], logits: Tensor) -> Tensor:
+    """logits (B, V) plus each row's logit_bias, in float32 (`logits` itself when no row has one). Each row's
+    bias is copied to the device once, so a step adds it without a host read."""
+    biased = [i for i, row in enumerate(rows) if row.job.sampling.logit_bias]
+    if not biased:
+        return logits
+    out = logits.float().clone(memory_format=torch.contiguous_format)  # a prefill's rows are one row expanded
+    for i in biased:
+        row = rows[i]
+        if row.bias is None:
+            ids, values = zip(*row.job.sampling.logit_bias, strict=True)
+            row.bias = (torch.tensor(ids, device=out.device), torch.tensor(values, dtype=out.dtype, device=out.device))
+        out[i].index_add_(0, *row.bias)
+    return out
 
 
 def _draw(rows: list[_Row], logits: Tensor) -> tuple[list[int], list[bool]]:

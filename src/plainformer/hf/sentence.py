@@ -152,8 +152,15 @@ class SentenceEncoder(nn.Module):
         """
         single = isinstance(sentences, str)
         texts = [sentences] if isinstance(sentences, str) else _check_sentences(sentences)
+        out = self.encode_ids(self.tokenize(texts), batch_size, dtype=dtype)
+        return out[0] if single else out
+
+    @torch.inference_mode()
+    def encode_ids(self, ids: Sequence[Sequence[int]], batch_size: int = 32, *,
+                   dtype: torch.dtype | None = None) -> Tensor:
+        """`encode` of sentences already tokenized (`tokenize`'s lists, each at most max_len ids):
+        (N, d_model) float32, in order."""
         _checks.check_positive_int("batch_size", batch_size)
-        ids = self.tokenize(texts)
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         device = next(self.parameters()).device
         out = torch.empty((len(ids), self.dim), dtype=torch.float32, device=device)
@@ -162,7 +169,7 @@ class SentenceEncoder(nn.Module):
                 rows = order[start:start + batch_size]
                 input_ids, mask = self.collate([ids[i] for i in rows])
                 out[rows] = self(input_ids.to(device), mask.to(device)).float()
-        return out[0] if single else out
+        return out
 
     def _precision(self, dtype: torch.dtype | None, device: torch.device):
         if dtype is None or dtype == next(self.parameters()).dtype:

@@ -1,5 +1,6 @@
-"""The HTTP application (FastAPI): OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`,
-and `/health` (GET or HEAD).
+"""The HTTP application (FastAPI): OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/embeddings` and
+`/v1/models`; llama.cpp's `/tokenize` and `/detokenize`; `/health` (GET or HEAD) and `/metrics` (Prometheus's
+text format, `metrics.Metrics`).
 
 The event loop only moves bytes: reading a body's JSON, checking its fields, rendering a chat template and
 encoding the prompts run on threads (the template in a process of its own, `chat.TemplateRenderer`), and
@@ -11,13 +12,15 @@ only for a bug, never to a client. What is expected is quiet: a client that goes
 in the queue, or decoding, streaming or not) frees its handler, its queue place and its rows at once, and
 a request the server's stop cuts short is answered 503 (a stream ends with an error event and `data:
 [DONE]`). With an API key, every `/v1` route wants `Authorization: Bearer KEY` (compared in constant
-time). A body over max_body bytes is refused with 413 before it is read further. A stream is
+time), and so do /tokenize and /detokenize; /health and /metrics, which a load balancer and a scraper
+read, want none. A body over max_body bytes is refused with 413 before it is read further. A stream is
 Server-Sent Events, one `data: {chunk}` per token of a choice, ending in `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -32,10 +35,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat import TemplateRenderer
 from .choices import Choice, chat_logprobs, legacy_logprobs
+from .metrics import Metrics
 from .protocol import (
     SHUTTING_DOWN,
     APIError,
@@ -43,7 +47,10 @@ from .protocol import (
     CompletionRequest,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_embeddings,
     parse_json,
+    parse_tokenize,
 )
 from .service import Exchange, Service
 
@@ -69,13 +76,40 @@ def create_app(service: Service, *, api_key: str | None = None, max_body: int = 
     app = FastAPI(title="plainformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     authorize = _authorizer(api_key)
-    guarded = Guarded(app)
+    metrics = Metrics(service.batcher)
+    guarded = Guarded(app, metrics)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         batcher = service.batcher
-        return {"status": "ok", "model": service.name, "active_rows": batcher.active_rows, "queued": batcher.queued,
-                "requests": guarded.requests}
+        return {"status": "ok", "model": service.name, "active_rows": batcher.active_rows if batcher else 0,
+                "queued": batcher.queued if batcher else 0, "requests": guarded.requests}
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=Metrics.content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        authorize(request)
+        raw = await _body(request, max_body)
+        return Response(await asyncio.to_thread(lambda: _json(service.tokenize(parse_tokenize(parse_json(raw))))),
+                        media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        authorize(request)
+        raw = await _body(request, max_body)
+        return Response(await asyncio.to_thread(lambda: _json(service.detokenize(parse_detokenize(parse_json(raw))))),
+                        media_type="application/json")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        authorize(request)
+        raw = await _body(request, max_body)
+        body, tokens = await asyncio.to_thread(_embeddings, service, raw)
+        metrics.tokens(tokens)
+        return Response(body, media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -87,7 +121,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body: int = 
         authorize(request)
         raw = await _body(request, max_body)
         exchange, shape = await asyncio.to_thread(_completion, service, raw, asyncio.get_running_loop())
-        return await _answer(request, exchange, shape)
+        return await _answer(request, exchange, shape, metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -96,7 +130,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body: int = 
         parsed = await asyncio.to_thread(_chat_request, service, raw)
         text = await prompts.prompt(parsed.messages)
         exchange, shape = await asyncio.to_thread(_chat, service, parsed, text, asyncio.get_running_loop())
-        return await _answer(request, exchange, shape)
+        return await _answer(request, exchange, shape, metrics)
 
     return guarded
 
@@ -105,31 +139,45 @@ class Guarded:
     """The application as the server runs it: what escapes the application is a bug, whose 500 has been
     sent (FastAPI's handler) and whose traceback is logged here, once; a request the server's stop
     cancels is answered 503 if nothing was sent yet, without a traceback. `requests`: the /v1 requests
-    in flight."""
+    in flight. Each request is counted in `metrics` by its route and status once answered, and its
+    arrival (time.perf_counter()) is `request.state.arrived`."""
 
-    def __init__(self, app: ASGIApp):
-        self.app, self.requests = app, 0
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics, self.requests = app, metrics, 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        arrived = time.perf_counter()
+        scope.setdefault("state", {})["arrived"] = arrived
+        status = 500  # what a client that is sent nothing at all is counted as
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         counted = scope["path"].startswith("/v1/")
         self.requests += counted
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         except asyncio.CancelledError:  # the server's stop, once its grace has passed
             with contextlib.suppress(RuntimeError):  # what was sent cannot be taken back
                 await JSONResponse(APIError(SHUTTING_DOWN, status=503, type="server_error").body(),
-                                   status_code=503)(scope, receive, send)
+                                   status_code=503)(scope, receive, sending)
         except Exception as error:
             traceback.print_exception(error, file=sys.stderr)
         finally:
             self.requests -= counted
+            self.metrics.answered(scope["path"], status, time.perf_counter() - arrived)
 
 
 def _completion(service: Service, raw: bytes, loop: asyncio.AbstractEventLoop) -> tuple[Exchange, _Completions]:
     """A completion request's exchange, read, checked and encoded (on a thread)."""
-    parsed = parse_completion(parse_json(raw), service.batcher.max_rows, service.batcher.max_queue)
+    body = parse_json(raw)
+    batcher = service.generator()
+    parsed = parse_completion(body, batcher.max_rows, batcher.max_queue)
     service.check_model(parsed.decoding.model)
     params = ["prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]" for i in range(len(parsed.prompts))]
     prompts = [service.encode(prompt, param) for prompt, param in zip(parsed.prompts, params, strict=True)]
@@ -139,7 +187,8 @@ def _completion(service: Service, raw: bytes, loop: asyncio.AbstractEventLoop) -
 
 
 def _chat_request(service: Service, raw: bytes) -> ChatRequest:
-    parsed = parse_chat(parse_json(raw), service.batcher.max_rows)
+    body = parse_json(raw)
+    parsed = parse_chat(body, service.generator().max_rows)
     service.check_model(parsed.decoding.model)
     return parsed
 
@@ -155,6 +204,20 @@ def _chat(service: Service, parsed: ChatRequest, text: str, loop: asyncio.Abstra
     exchange = Exchange(service, [ids], parsed.decoding, loop=loop, logprobs=parsed.top_logprobs,
                         params=["messages"], logprobs_param="top_logprobs")
     return exchange, _Chat(service, exchange, parsed)
+
+
+def _embeddings(service: Service, raw: bytes) -> tuple[bytes, int]:
+    """An embeddings request's whole answer in OpenAI's shape, and the tokens it read (on a thread)."""
+    parsed = parse_embeddings(parse_json(raw))
+    service.check_model(parsed.model)
+    vectors, tokens = service.embeddings(parsed)
+    if parsed.encoding_format == "base64":  # the little-endian float32 bytes, as OpenAI sends them
+        data: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
+    else:
+        data = vectors.tolist()
+    return _json({"object": "list", "model": service.name,
+                  "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), tokens
 
 
 # ---------------------------------------------------------------------------- the shape of each endpoint
@@ -233,19 +296,22 @@ class _Chat:
 _Shape = _Completions | _Chat
 
 
-async def _answer(request: Request, exchange: Exchange, shape: _Shape) -> Response:
+async def _answer(request: Request, exchange: Exchange, shape: _Shape, metrics: Metrics) -> Response:
     """Submit the exchange's jobs, then answer with the whole response (formatted on a thread) or its
-    stream. A client that goes away first frees its rows and its queue places, and is sent nothing."""
+    stream. A client that goes away first frees its rows and its queue places, and is sent nothing. What
+    the exchange read and drew, however it ended, is counted in `metrics`."""
     exchange.submit()
     header = {"id": f"{shape.prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
               "model": exchange.service.name}
+    arrived = request.state.arrived
     if exchange.decoding.stream:
-        return _Stream(exchange, _stream(exchange, shape, header))
+        return _Stream(exchange, _stream(exchange, shape, header), lambda: _count(metrics, exchange, arrived))
     try:
         if not await _finished(request, exchange):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
         exchange.cancel()
+        _count(metrics, exchange, arrived)
 
     def whole() -> bytes:
         return _json({**header, "object": shape.object, "choices": [shape.choice(c) for c in exchange.choices],
@@ -254,20 +320,27 @@ async def _answer(request: Request, exchange: Exchange, shape: _Shape) -> Respon
     return Response(await asyncio.to_thread(whole), media_type="application/json")
 
 
+def _count(metrics: Metrics, exchange: Exchange, arrived: float) -> None:
+    usage = exchange.usage()
+    first = exchange.first_token_at
+    metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"], None if first is None else first - arrived)
+
+
 class _Stream(StreamingResponse):
     """An SSE stream that frees the exchange's rows and queue places however it ends, even before its
-    first event (a client that leaves at once)."""
+    first event (a client that leaves at once), and then calls `ended`."""
 
-    def __init__(self, exchange: Exchange, events: AsyncIterator[str]):
+    def __init__(self, exchange: Exchange, events: AsyncIterator[str], ended: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                           "X-Accel-Buffering": "no"})
-        self.exchange = exchange
+        self.exchange, self.ended = exchange, ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.exchange.cancel()
+            self.ended()
 
 
 async def _finished(request: Request, exchange: Exchange) -> bool:

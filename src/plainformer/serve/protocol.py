@@ -1,10 +1,12 @@
 """The requests of OpenAI's HTTP API, read from their JSON: `/v1/completions` (the legacy API that
-lm-evaluation-harness scores models through) and `/v1/chat/completions`.
+lm-evaluation-harness scores models through), `/v1/chat/completions` and `/v1/embeddings`; and
+llama.cpp's `/tokenize` and `/detokenize`.
 
 Every field is checked once, here, and a wrong one is answered with OpenAI's error object naming it:
 {"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored, as
-OpenAI-compatible servers do; fields it knows but cannot honour (penalties, logit_bias, tools) are
-refused unless they hold their neutral value.
+OpenAI-compatible servers do; fields it knows but cannot honour (penalties, tools) are
+refused unless they hold their neutral value. Token ids are checked against the vocabulary by the
+service, which knows it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 MAX_LEGACY_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS = 100  # |bias| at most, as OpenAI's
+EMBEDDING_FORMATS = ("float", "base64")
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SHUTTING_DOWN = "the server is shutting down: this request was ended before it finished"
 
@@ -54,6 +59,7 @@ class Decoding:
     seed: int | None
     stream: bool
     include_usage: bool
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,27 @@ class ChatRequest:
     top_logprobs: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequest:
+    """inputs: texts or lists of token ids, one embedding each; encoding_format: "float" (a JSON array) or
+    "base64" (the little-endian float32 bytes); dimensions: the leading components kept (None: all)."""
+
+    model: str
+    inputs: list[str | list[int]]
+    encoding_format: str
+    dimensions: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """llama.cpp's /tokenize: add_special puts the tokenizer's special tokens around the text ([CLS] .. [SEP],
+    a BOS); with_pieces answers each id with its text."""
+
+    content: str
+    add_special: bool
+    with_pieces: bool
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
@@ -89,7 +116,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: dict[str, Any], max_n: int, max_prompts: int | None = None) -> CompletionRequest:
     """max_n: the most choices per prompt; max_prompts: the most prompts (None: any number)."""
-    _refuse_unsupported(body, {"suffix": None, "best_of": (None, body.get("n", 1)), "logit_bias": (None, {})})
+    _refuse_unsupported(body, {"suffix": None, "best_of": (None, body.get("n", 1))})
     logprobs = _optional(body, "logprobs", _is_int, lambda v: 0 <= v <= MAX_LEGACY_LOGPROBS,
                          f"an integer from 0 to {MAX_LEGACY_LOGPROBS}")
     return CompletionRequest(_decoding(body, max_n, COMPLETION_DEFAULT_MAX_TOKENS), _prompts(body, max_prompts),
@@ -98,7 +125,7 @@ def parse_completion(body: dict[str, Any], max_n: int, max_prompts: int | None =
 
 def parse_chat(body: dict[str, Any], max_n: int) -> ChatRequest:
     _refuse_unsupported(body, {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                               "logit_bias": (None, {}), "response_format": (None, {"type": "text"})})
+                               "response_format": (None, {"type": "text"})})
     logprobs = _flag(body, "logprobs")
     top = _optional(body, "top_logprobs", _is_int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                     f"an integer from 0 to {MAX_TOP_LOGPROBS}")
@@ -107,6 +134,34 @@ def parse_chat(body: dict[str, Any], max_n: int) -> ChatRequest:
     if "max_completion_tokens" in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     return ChatRequest(_decoding(body, max_n, None), _messages(body), (top or 0) if logprobs else None)
+
+
+def parse_embeddings(body: dict[str, Any], max_inputs: int = MAX_EMBEDDING_INPUTS) -> EmbeddingRequest:
+    """input: a string, a list of strings, a list of token ids, or a list of such lists (at most max_inputs)."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise APIError("model must be a string naming the model (GET /v1/models lists it)", param="model")
+    inputs = _prompts(body, max_inputs, name="input")
+    if "" in inputs:  # OpenAI refuses it too: an embedding of nothing
+        raise APIError("input must not hold an empty string", param="input")
+    encoding = _optional(body, "encoding_format", lambda v: isinstance(v, str), lambda v: v in EMBEDDING_FORMATS,
+                         " or ".join(map(repr, EMBEDDING_FORMATS)), default="float")
+    dimensions = _optional(body, "dimensions", _is_int, lambda v: v >= 1, "an integer >= 1")
+    return EmbeddingRequest(model, inputs, encoding, dimensions)
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise APIError("content must be the string to tokenize", param="content")
+    return TokenizeRequest(content, _flag(body, "add_special"), _flag(body, "with_pieces"))
+
+
+def parse_detokenize(body: dict[str, Any]) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise APIError("tokens must be a list of token ids", param="tokens")
+    return tokens
 
 
 # ---------------------------------------------------------------------------- fields
@@ -172,7 +227,24 @@ def _decoding(body: dict[str, Any], max_n: int, default_max_tokens: int | None) 
         seed=_optional(body, "seed", _is_int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)"),
         stream=stream,
         include_usage=include_usage,
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias}, each bias in [-100, 100] -> ((id, bias), ...) in the ids' order."""
+    if value is None:
+        return ()
+    expected = (f"logit_bias must map token ids (as strings, \"50256\") to numbers from -{MAX_LOGIT_BIAS} to "
+                f"{MAX_LOGIT_BIAS}")
+    if not isinstance(value, dict):
+        raise APIError(f"{expected}, got {json.dumps(value)[:80]}", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or not _is_number(bias) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise APIError(f"{expected}, got {json.dumps({key: bias})[:80]}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -185,25 +257,25 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompts(body: dict[str, Any], max_prompts: int | None) -> list[str | list[int]]:
-    """prompt: a string, a list of strings, a list of token ids, or a list of such lists (at most
-    max_prompts of them)."""
-    prompt = body.get("prompt")
+def _prompts(body: dict[str, Any], max_prompts: int | None, name: str = "prompt") -> list[str | list[int]]:
+    """body[name] (prompt, or the embeddings' input): a string, a list of strings, a list of token ids, or a
+    list of such lists (at most max_prompts of them)."""
+    prompt = body.get(name)
     expected = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise APIError(f"prompt must be {expected} (not empty)", param="prompt")
+        raise APIError(f"{name} must be {expected} (not empty)", param=name)
     if all(_is_int(t) for t in prompt):
         return [prompt]
     if max_prompts is not None and len(prompt) > max_prompts:
-        raise APIError(f"prompt holds {len(prompt)} prompts; this server takes at most {max_prompts} in one request "
-                       f"(--max-queue)", param="prompt")
+        raise APIError(f"{name} holds {len(prompt)} items; this server takes at most {max_prompts} in one request"
+                       f"{' (--max-queue)' if name == 'prompt' else ''}", param=name)
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
         return list(prompt)
-    raise APIError(f"prompt must be {expected}, each list not empty", param="prompt")
+    raise APIError(f"{name} must be {expected}, each list not empty", param=name)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

@@ -33,13 +33,12 @@ import traceback
 from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..generation.batching import ContinuousBatcher
 from ..launch import log
 from .limits import Connections
 from .protocol import APIError
@@ -82,7 +81,29 @@ class Repeats:
         self._again.clear()
 
 
-def run(app: Any, sock: socket.socket, batcher: ContinuousBatcher, *, grace_s: float = 3,
+class Runner(Protocol):
+    """What runs on the main thread while the application serves: the batcher, or `Idle`."""
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Idle:
+    """The main thread's work for a server that only embeds (its requests run on the application's
+    threads): waiting for the stop."""
+
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def run(app: Any, sock: socket.socket, batcher: Runner, *, grace_s: float = 3,
         connections: Connections | None = None) -> None:
     """Serve `app` on `sock` while `batcher` decodes on this thread, until a signal stops both (no log of
     uvicorn's but its warnings, through `Repeats`: the caller says its own)."""

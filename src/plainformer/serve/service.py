@@ -1,5 +1,6 @@
 """The model behind the API: requests become jobs of the one `ContinuousBatcher`, and its events fill
-each request's choices.
+each request's choices; embeddings come from the model's `Embedder` (a BERT's, or a GPT's given a pooling),
+and /tokenize and /detokenize from its tokenizer.
 
 Each prompt of a request is one job of `n` rows. Row j of prompt i draws with seed + i·n + j when a
 seed is given: the row `plainformer sample --seed SEED --num-samples n` draws for that prompt, and the
@@ -36,7 +37,8 @@ from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
 from ..models.memory import forward_bytes
 from .choices import Choice
-from .protocol import SHUTTING_DOWN, APIError, Decoding
+from .embeddings import Embedder
+from .protocol import SHUTTING_DOWN, APIError, Decoding, EmbeddingRequest, TokenizeRequest
 
 RETRY_AFTER_S = 1
 MAX_RESPONSE_TOKENS = 1 << 18  # ~10 MB of JSON with logprobs
@@ -44,20 +46,47 @@ MAX_RESPONSE_TOKENS = 1 << 18  # ~10 MB of JSON with logprobs
 
 class Service:
     """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting
-    jobs (one per prompt), each response carrying at most max_response_tokens (see the module docstring)."""
+    jobs (one per prompt), each response carrying at most max_response_tokens (see the module docstring);
+    `embedder` answers /v1/embeddings. A server of an embedding model alone (model None) generates nothing:
+    its completion endpoints answer 400 naming `model`."""
 
-    def __init__(self, model: GPT, name: str, *, max_batch: int = 16, max_queue: int = 64,
-                 max_response_tokens: int = MAX_RESPONSE_TOKENS):
-        if model.tokenizer is None:
+    def __init__(self, model: GPT | None, name: str, *, embedder: Embedder | None = None, max_batch: int = 16,
+                 max_queue: int = 64, max_response_tokens: int = MAX_RESPONSE_TOKENS):
+        tokenizer = model.tokenizer if model is not None else None if embedder is None else embedder.tokenizer
+        if model is None and embedder is None:
+            raise ValueError("a service needs a model that generates or one that embeds")
+        if tokenizer is None:
             raise ValueError("the model has no tokenizer, so text cannot be encoded")
         _checks.check_positive_int("max_response_tokens", max_response_tokens)
-        self.model, self.tokenizer, self.name = model, model.tokenizer, name
-        self.batcher = ContinuousBatcher(model.decoder(), max_rows=max_batch, max_queue=max_queue)
+        self.model, self.embedder, self.tokenizer, self.name = model, embedder, tokenizer, name
+        self.batcher = None if model is None else ContinuousBatcher(model.decoder(), max_rows=max_batch,
+                                                                    max_queue=max_queue)
         self.max_response_tokens = max_response_tokens
         self.created = int(time.time())
 
+    def generator(self) -> ContinuousBatcher:
+        """The batcher, or a 400 naming `model` for a model that only embeds."""
+        if self.batcher is None:
+            raise APIError(f"the model {self.name!r} embeds text and does not generate it: use /v1/embeddings",
+                           param="model")
+        return self.batcher
+
+    @property
+    def gpt(self) -> GPT:
+        """The model that generates (its callers come after `generator`)."""
+        assert self.model is not None, "a service that only embeds has no GPT"
+        return self.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size if self.model is None else self.model.config.vocab_size
+
     @property
     def block_size(self) -> int:
+        """The longest input: the GPT's context, or the embedding model's max_len."""
+        if self.model is None:
+            assert self.embedder is not None
+            return self.embedder.max_len
         return self.model.config.block_size
 
     def model_card(self) -> dict[str, Any]:
@@ -78,13 +107,71 @@ class Service:
                 raise APIError(f"{param}: {error}", param=param) from None
         else:
             ids = prompt
-            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-            if bad:
-                raise APIError(f"{param} holds token id {bad[0]}, outside the vocabulary [0, "
-                               f"{self.model.config.vocab_size})", param=param)
+            self.check_ids(ids, param)
         if not ids:
             raise APIError(f"{param} encodes to no tokens; give at least one", param=param)
         return ids
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"{param} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    def check_logit_bias(self, decoding: Decoding) -> None:
+        """A 400 naming logit_bias when it names a token id outside the vocabulary."""
+        bad = [token for token, _ in decoding.logit_bias if token >= self.vocab_size]
+        if bad:
+            raise APIError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                           param="logit_bias")
+
+    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        """llama.cpp's /tokenize answer: {"tokens": [id, ...]}, or [{"id", "piece"}, ...] with_pieces."""
+        try:
+            ids = (self.tokenizer.encode if request.add_special else self.tokenizer.encode_text)(request.content)
+        except ValueError as error:  # a character the vocabulary lacks
+            raise APIError(f"content: {error}", param="content") from None
+        if not request.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": self.tokenizer.decode([i]) or self.tokenizer.id_to_token(i) or ""}
+                           for i in ids]}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        """llama.cpp's /detokenize answer: {"content": text}."""
+        self.check_ids(tokens, "tokens")
+        return {"content": self.tokenizer.decode(tokens)}
+
+    def embeddings(self, request: EmbeddingRequest) -> tuple[Any, int]:
+        """The request's embeddings (N, d) float32 as a numpy array, in its order, and the tokens they read;
+        a 400 naming `model` when this model does not embed, `input` for an input it cannot take."""
+        if self.embedder is None:
+            raise APIError(f"the model {self.name!r} does not embed: serve a BERT or MiniLM, or start the server "
+                           "with --pooling mean|last to embed with this GPT's hidden states", param="model")
+        embedder = self.embedder
+        ids = []
+        for i, item in enumerate(request.inputs):
+            param = "input" if len(request.inputs) == 1 else f"input[{i}]"
+            if isinstance(item, str):
+                try:
+                    x = embedder.tokenize(item)
+                except ValueError as error:  # a character the vocabulary lacks
+                    raise APIError(f"{param}: {error}", param="input") from None
+            else:
+                x = item
+                self.check_ids(x, "input")
+            if not x:
+                raise APIError(f"{param} encodes to no tokens; give at least one", param="input")
+            if len(x) > embedder.max_len and not (embedder.truncates and isinstance(item, str)):
+                raise APIError(f"{param} is {len(x)} tokens, more than the {embedder.max_len} this model embeds",
+                               param="input", code="context_length_exceeded")
+            ids.append(x)
+        vectors = embedder.embed(ids).cpu().numpy()
+        if request.dimensions is not None:
+            if request.dimensions > vectors.shape[1]:
+                raise APIError(f"dimensions must be at most {vectors.shape[1]}, this model's, got "
+                               f"{request.dimensions}", param="dimensions")
+            vectors = vectors[:, :request.dimensions]
+        return vectors, sum(map(len, ids))
 
     def max_new_tokens(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """The tokens a prompt may gain: max_tokens if it fits the context with the prompt (None: all that
@@ -97,10 +184,11 @@ class Service:
             raise APIError(f"max_tokens={max_tokens} and the prompt's {len(ids)} tokens exceed the model's context "
                            f"of {self.block_size} tokens: at most {room}", param="max_tokens",
                            code="context_length_exceeded")
-        dtype = self.model.token_embedding.weight.dtype
+        model = self.gpt
+        dtype = model.token_embedding.weight.dtype
         try:
             check_memory(f"a prompt of {len(ids)} tokens needs ~{{needed}} for its forward pass",
-                         lambda: forward_bytes(self.model.config, 1, len(ids), dtype=dtype))
+                         lambda: forward_bytes(model.config, 1, len(ids), dtype=dtype))
         except MemoryBudgetError as error:
             raise APIError(str(error), param=param) from None
         return room if max_tokens is None else max_tokens
@@ -130,12 +218,16 @@ class Exchange:
                  loop: asyncio.AbstractEventLoop | None = None, logprobs: int | None = None, echo: bool = False,
                  params: Sequence[str] = (), logprobs_param: str = "logprobs"):
         self.service, self.decoding = service, decoding
+        self.batcher = service.generator()
+        service.check_logit_bias(decoding)
+        self.first_token_at: float | None = None  # time.perf_counter() when its first token came (for /metrics)
         tokenizer: Tokenizer = service.tokenizer
         self.stop = StopStrings(tokenizer.decode, decoding.stop) if decoding.stop else None
         n = decoding.n
         self.choices = [Choice(i * n + j, ids, echo=echo) for i, ids in enumerate(prompts) for j in range(n)]
         sampling = Sampling(temperature=float(decoding.temperature), top_k=None if decoding.top_k == -1 else
-                            decoding.top_k, top_p=None if decoding.top_p in (None, 1) else float(decoding.top_p))
+                            decoding.top_k, top_p=None if decoding.top_p in (None, 1) else float(decoding.top_p),
+                            logit_bias=decoding.logit_bias)
         self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = loop or asyncio.get_running_loop()
         max_new = [service.max_new_tokens(ids, decoding.max_tokens, params[i] if params else "prompt")
@@ -167,7 +259,7 @@ class Exchange:
     def submit(self) -> None:
         """Every job into the batcher, or none (a 429 with Retry-After when its queue is full, a 503 once
         the server stops)."""
-        batcher = self.service.batcher
+        batcher = self.batcher
         for submitted, job in enumerate(self.jobs):
             try:
                 batcher.submit(job)
@@ -183,7 +275,7 @@ class Exchange:
         """Free the queue places of `jobs` (default all) at once, and their rows at the batcher's next step."""
         for job in self.jobs if jobs is None else jobs:
             if not job.cancelled:
-                self.service.batcher.cancel(job)
+                self.batcher.cancel(job)
 
     async def updates(self) -> AsyncIterator[Choice]:
         """Each choice as an event changes it, until every choice has finished."""
@@ -202,6 +294,8 @@ class Exchange:
                     yield choice
                 continue
             assert isinstance(event, Token)
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
             choice = self.choices[prompt * n + event.choice]
             choice.tokens.append(event.token)
             choice.logprobs.append(event.logprob)
