@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [--shapes nanogpt-cpu default-3x128 6x384] [--dtype fp32|bf16]
                                       [--steps 10] [--rounds 3] [--top 12] [--nanogpt DIR]
+                                      [--variants qk-norm bigram ...]
 
 One step is what the trainer does: forward with targets (under bf16 autocast with --dtype bf16), backward,
 gradient clipping at the recipe's grad_clip, the recipe's optimizer step (AdamW, fused; Muon for the
@@ -22,6 +23,10 @@ torch.profiler records `--steps` steps after three of warm-up, in `--rounds` rou
 printed in ms per step and as a share of the step's wall time, with the matmuls' rate (model FLOPs per step,
 6·N·tokens + 12·L·d·T·tokens, over their time) and ours / nanoGPT per group; then the `--top` ops by self
 time. The profiler's own cost is in the times, alike for both models. Output: tables, then one JSON line.
+
+`--variants NAME ...` (benchmarks/ablate_default.py's variants, e.g. `qk-norm "value residual"`) adds a row per
+variant: the default-3x128 shape with that variant's changes, profiled against the plain default-3x128 model
+in the same alternating rounds, so that the ratio is the variant's step cost (issue 49).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import plainformer as pf
+from ablate_default import VARIANTS
 from plainformer import recipes
 from plainformer.memory import keep_freed_memory
 from plainformer.training.config import TrainConfig
@@ -77,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="profiled rounds per model, the fastest kept")
     parser.add_argument("--top", type=int, default=12, help="ops listed by self time")
     parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout to profile its model too")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[],
+                        help="ablate_default's variants of the default shape, each against the default-3x128 model")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.top < 0:
         parser.error("--steps and --rounds must be >= 1, --top >= 0")
@@ -133,10 +141,13 @@ def profile_steps(step: Callable[[], float], steps: int) -> dict[str, Any]:
             "ops": sorted(ops, key=lambda op: -op[1])}
 
 
-def measure(name: str, args: argparse.Namespace, data: pf.LMData) -> dict[str, Any]:
+def measure(name: str, args: argparse.Namespace, data: pf.LMData, variant: str | None = None) -> dict[str, Any]:
+    """`name`'s shape profiled (against nanoGPT's model with --nanogpt), or with `variant` the default shape with
+    that variant's changes against the plain default shape."""
     preset, changes, recipe, rows = SHAPES[name]
-    config = pf.GPTConfig.from_preset(preset, vocab_size=data.tokenizer.vocab_size, **changes)
-    train: TrainConfig = recipes.get(recipe).train
+    model_changes, train_changes = VARIANTS[variant] if variant else ({}, {})
+    config = pf.GPTConfig.from_preset(preset, vocab_size=data.tokenizer.vocab_size, **{**changes, **model_changes})
+    train: TrainConfig = recipes.get(recipe).train.replace(**train_changes)
     source = pf.LMBatchSource(data.train_tokens, data.val_tokens, config.block_size, seed=train.seed)
     batches = [source.get_batch("train", i, rows) for i in range(8)]
     bf16 = args.dtype == "bf16"
@@ -144,24 +155,34 @@ def measure(name: str, args: argparse.Namespace, data: pf.LMData) -> dict[str, A
     ours = pf.GPT(config).train()
     kernels = ATEN if bf16 else choose_kernels(ours, rows * config.block_size)[0]
     steps_of = {"ours": training_step(ours, make_optimizer(ours, train), cycling_loss(batches), bf16, train.grad_clip)}
-    if args.nanogpt is not None and preset != "default":
+    peer = None
+    if variant:
+        peer = "default"
+        plain = pf.GPT(pf.GPTConfig.from_preset(preset, vocab_size=data.tokenizer.vocab_size, **changes)).train()
+        steps_of[peer] = training_step(plain, make_optimizer(plain, recipes.get(recipe).train), cycling_loss(batches),
+                                       bf16, train.grad_clip)
+    elif args.nanogpt is not None and preset != "default":
+        peer = "nanogpt"
         theirs = nanogpt_model(args.nanogpt, config)
         optimizer = theirs.configure_optimizers(train.weight_decay, train.lr, (train.beta1, train.beta2), "cpu")
-        steps_of["nanogpt"] = training_step(theirs, optimizer, cycling_loss(batches), bf16, train.grad_clip)
+        steps_of[peer] = training_step(theirs, optimizer, cycling_loss(batches), bf16, train.grad_clip)
     with chosen_kernels(ours, kernels):
         profiles = fastest_profiles(steps_of, args.steps, args.rounds)
-    return {"shape": name, "batch": f"{rows}x{config.block_size}", "linear_kernels": kernels,
-            "flops_per_step": flops_per_step(ours, rows * config.block_size), **profiles}
+    return {"shape": f"{name} {variant}" if variant else name, "batch": f"{rows}x{config.block_size}",
+            "linear_kernels": kernels, "peer": peer, "flops_per_step": flops_per_step(ours, rows * config.block_size),
+            **profiles}
 
 
 def print_row(row: dict[str, Any], top: int) -> None:
-    ours, theirs = row["ours"], row.get("nanogpt")
+    peer = row["peer"]
+    ours, theirs = row["ours"], row.get(peer) if peer else None
+    label = "nanoGPT" if peer == "nanogpt" else peer
     print(f"\n{row['shape']}, batch {row['batch']}: ours {ours['wall_ms']:.1f} ms per step, {ours['ops_per_step']:.0f} "
-          f"ops" + (f"; nanoGPT {theirs['wall_ms']:.1f} ms, {theirs['ops_per_step']:.0f} ops, ratio ours / nanoGPT "
+          f"ops" + (f"; {label} {theirs['wall_ms']:.1f} ms, {theirs['ops_per_step']:.0f} ops, ratio ours / {label} "
                     f"{ours['wall_ms'] / theirs['wall_ms']:.2f}x" if theirs else "")
           + ("; linear kernels " + ", ".join(f"{p} {k}" for p, k in row["linear_kernels"].items())
              if row["linear_kernels"] != ATEN else ""))
-    header = f"  {'group':<24} {'ours ms':>8} {'share':>6}" + (f" {'nanoGPT ms':>11} {'share':>6} {'ratio':>6}"
+    header = f"  {'group':<24} {'ours ms':>8} {'share':>6}" + (f" {label + ' ms':>11} {'share':>6} {'ratio':>6}"
                                                                 if theirs else "")
     print(header)
     for group in [*GROUPS, "the rest"]:
@@ -186,14 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     data = pf.prepare_lm_data(None, tokenizer="char")
     peak = matmul_rate(torch.float32 if args.dtype == "fp32" else torch.bfloat16, seconds=1.0)
     rows = [measure(name, args, data) for name in args.shapes]
+    rows += [measure("default-3x128", args, data, variant) for variant in args.variants]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, the fastest of {args.rounds} "
           f"rounds of {args.steps} profiled steps per model; {args.dtype} matmul probe (1024^3) "
           f"{peak / 1e9:.0f} GFLOP/s")
     for row in rows:
         print_row(row, args.top)
-    print("\nshare = of the step's wall time; ratio = ours / nanoGPT ms (lower is better)")
+    print("\nshare = of the step's wall time; ratio = ours / the peer's ms (nanoGPT's, or the plain default's for a "
+          "variant; lower is better)")
     for row in rows:  # the JSON keeps each model's top ops only
-        for who in ("ours", "nanogpt"):
+        for who in ("ours", "nanogpt", "default"):
             if who in row:
                 row[who]["ops"] = row[who]["ops"][:args.top]
     print(json.dumps({"benchmark": "profile_step", "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds,
