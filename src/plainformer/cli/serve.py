@@ -21,8 +21,10 @@ from typing import Any
 
 from ..families.family import checkpoint_dir
 from ..families.gpt import check_decoding_memory, load_language_model
+from ..generation.prefix_cache import default_capacity
 from ..inference import for_decoding
 from ..launch import log
+from ..memory import format_size
 from ..nn.lora import unload_lora
 from ..serve.chat import TIMEOUT_S as TEMPLATE_TIMEOUT_S
 from ..serve.limits import FILES_RESERVED, Connections, raise_file_limit
@@ -60,6 +62,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-response-tokens", type=positive_int, default=MAX_RESPONSE_TOKENS, metavar="N",
                         help="tokens one response may carry, counting echoed prompts and each logprob alternative; "
                              "a request that could exceed it is answered 400 (default: %(default)s)")
+    parser.add_argument("--prefix-cache-mb", type=non_negative_float, metavar="MB",
+                        help="megabytes (10^6 bytes) of prompts' keys and values kept for the prompts that begin as "
+                             "they do, least recently used evicted first; 0: none (default: an eighth of the memory "
+                             "available once the model is loaded, at most 4 GiB; a model with a sliding window "
+                             "keeps none)")
     parser.add_argument("--model-name", metavar="NAME",
                         help="the model's id in the API (default: the directory's name)")
     add_dtype_argument(parser)
@@ -122,8 +129,10 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     check_decoding_memory(model, args.max_batch, model.config.block_size, f"serving --max-batch {args.max_batch} rows")
     for_decoding(model)
     name = args.model_name or _default_name(args.ckpt)
+    cache_bytes = (default_capacity(model.token_embedding.weight.device) if args.prefix_cache_mb is None
+                   else int(args.prefix_cache_mb * 1e6))
     service = Service(model.eval(), name, max_batch=args.max_batch, max_queue=args.max_queue,
-                      max_response_tokens=args.max_response_tokens)
+                      max_response_tokens=args.max_response_tokens, prefix_cache_bytes=cache_bytes)
     renderer = TemplateRenderer(service.tokenizer, name, timeout_s=args.timeout_template)
     try:
         renderer.start()
@@ -139,11 +148,14 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         log(f"plainformer serve: warning: listening on {host}, beyond this machine, with no --api-key: "
             "anyone who reaches it can use the model")
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-    ready = f"plainformer serve: {name} at {url} (--max-batch {args.max_batch}); Ctrl-C to stop"
+    cache = service.batcher.prefix_cache
+    cached = f"a prefix cache of {format_size(cache.capacity)}" if cache is not None else "no prefix cache"
+    ready = f"plainformer serve: {name} at {url} (--max-batch {args.max_batch}, {cached}); Ctrl-C to stop"
     start = time.perf_counter()
     app = create_app(service, api_key=args.api_key, renderer=renderer, on_ready=lambda: log(ready))
     server.run(app, sock, service.batcher, grace_s=args.timeout_shutdown, connections=connections)
-    return {"model": name, "served_s": time.perf_counter() - start, "decoding_steps": service.batcher.steps}
+    return {"model": name, "served_s": time.perf_counter() - start, "decoding_steps": service.batcher.steps,
+            "prefix_cache_hits": service.batcher.prefix_cache_hits}
 
 
 def _default_name(ckpt: Path) -> str:

@@ -44,15 +44,17 @@ MAX_RESPONSE_TOKENS = 1 << 18  # ~10 MB of JSON with logprobs
 
 class Service:
     """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting
-    jobs (one per prompt), each response carrying at most max_response_tokens (see the module docstring)."""
+    jobs (one per prompt) and a prefix cache of prefix_cache_bytes (0: none), each response carrying at most
+    max_response_tokens (see the module docstring)."""
 
     def __init__(self, model: GPT, name: str, *, max_batch: int = 16, max_queue: int = 64,
-                 max_response_tokens: int = MAX_RESPONSE_TOKENS):
+                 max_response_tokens: int = MAX_RESPONSE_TOKENS, prefix_cache_bytes: int = 0):
         if model.tokenizer is None:
             raise ValueError("the model has no tokenizer, so text cannot be encoded")
         _checks.check_positive_int("max_response_tokens", max_response_tokens)
         self.model, self.tokenizer, self.name = model, model.tokenizer, name
-        self.batcher = ContinuousBatcher(model.decoder(), max_rows=max_batch, max_queue=max_queue)
+        self.batcher = ContinuousBatcher(model.decoder(), max_rows=max_batch, max_queue=max_queue,
+                                         prefix_cache_bytes=prefix_cache_bytes)
         self.max_response_tokens = max_response_tokens
         self.created = int(time.time())
 
