@@ -185,3 +185,40 @@ def test_a_windowed_model_keeps_no_prefix_cache_and_zero_keeps_none():
     assert ContinuousBatcher(model_of().decoder(), prefix_cache_bytes=0).prefix_cache is None
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         ContinuousBatcher(model_of().decoder(), prefix_cache_bytes=-1)
+
+
+@pytest.mark.parametrize("chunk", [512, 6], ids=["one-pass", "chunked"])
+def test_a_padded_group_of_reused_prefixes_and_a_miss_scores_as_the_full_forward(chunk):
+    # the three prompts wait together (submitted as the first one's last token is drawn): two reuse parts of
+    # the first's prompt (the second 10 of the 12 tokens it shares), one shares nothing and has the most to run,
+    # 9 tokens: the group runs its last 9 columns, a reused prefix right-aligned before them in each row that
+    # has one, padding elsewhere
+    model = model_of(**GPT_VARIANTS_49, pos_encoding="rope").double()
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    first = rand(30)
+    prompts = [first + rand(6), first[:12] + rand(7), [(first[0] + 1) % VOCAB] + rand(8)]
+    batcher = ContinuousBatcher(model.decoder(), max_rows=4, prefill_chunk=chunk, prefix_cache_bytes=10**7)
+    collectors = [Collector() for _ in prompts]
+
+    def on_first(event) -> None:
+        if isinstance(event, Token):
+            for prompt, collector in zip(prompts, collectors, strict=True):
+                batcher.submit(Job(prompt, 5, collector, sampling=Sampling(temperature=0.0), logprobs=0))
+
+    batcher.submit(Job(first, 1, on_first, sampling=Sampling(temperature=0.0)))
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+    assert batcher.prefix_cache_hits == 2 and batcher.prefix_cache_hit_tokens == (36 - 9) + (19 - 9)
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        tokens, logprobs, _ = results(collector)
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + tokens[:-1]]))[0][0, len(prompt) - 1:]  # (new, V)
+        logp = torch.log_softmax(full, dim=-1)
+        assert tokens == full.argmax(-1).tolist()
+        torch.testing.assert_close(logprobs.double(), logp.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-5,
+                                   rtol=0)
