@@ -10,7 +10,7 @@ import torch
 import plainformer as pf
 from plainformer.generation.batching import ContinuousBatcher, Job, PromptScores, Sampling, Token
 from plainformer.generation.prefix_cache import Prefix, PrefixCache, default_capacity
-from tests.generation.test_batching import Collector
+from tests.generation.test_batching import Collector, RecordingDecoder
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 
 VOCAB, BLOCK = 40, 64
@@ -222,3 +222,38 @@ def test_a_padded_group_of_reused_prefixes_and_a_miss_scores_as_the_full_forward
         assert tokens == full.argmax(-1).tolist()
         torch.testing.assert_close(logprobs.double(), logp.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-5,
                                    rtol=0)
+
+
+def test_prompts_that_reuse_a_long_prefix_are_prefilled_before_one_that_reuses_none():
+    # 3 prompts reuse 30 tokens and run 3 or 4, the fourth runs 33: one pass would run 4 x 33 columns, the 3
+    # first and the fourth after run 3 x 4 + 33; each gets what it gets alone
+    model = model_of(**GPT_VARIANTS_49, pos_encoding="rope").double()
+    decoder = RecordingDecoder(model.decoder())
+    g = torch.Generator().manual_seed(12)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    first = rand(30)
+    prompts = [first + rand(3), [(first[0] + 1) % VOCAB] + rand(32), first + rand(4), first + rand(3)]
+    batcher = ContinuousBatcher(decoder, max_rows=4, prefix_cache_bytes=10**7)
+    collectors = [Collector() for _ in prompts]
+
+    def on_first(event) -> None:
+        if isinstance(event, Token):
+            decoder.shapes.clear()
+            for prompt, collector in zip(prompts, collectors, strict=True):
+                batcher.submit(Job(prompt, 3, collector, sampling=Sampling(temperature=0.0), logprobs=0))
+
+    batcher.submit(Job(first, 1, on_first, sampling=Sampling(temperature=0.0)))
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+    assert decoder.shapes[:3] == [(3, 4), (3, 1), (1, 33)]  # the reusing three, their step, then the other
+    assert batcher.prefix_cache_hits == 3
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        tokens, logprobs, _ = results(collector)
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + tokens[:-1]]))[0][0, len(prompt) - 1:]  # (new, V)
+        assert tokens == full.argmax(-1).tolist()
+        torch.testing.assert_close(logprobs.double(), torch.log_softmax(full, -1).max(-1).values, atol=1e-5, rtol=0)

@@ -14,7 +14,9 @@ token:
                one of a job's `n` rows starts from them). With a prefix cache (`prefix_cache`), the
                leading positions that a prompt shares with one prefilled before are copied in, not run:
                the last S columns run, S the longest prompt's part that no entry holds, the columns before
-               come from the cache (a row's reused prefix right-aligned before them, so no row has a gap);
+               come from the cache (a row's reused prefix right-aligned before them, so no row has a gap).
+               Prompts that reuse long prefixes beside one that reuses none go first, the rest in the next
+               prefill, when that at least halves the columns run (rows x columns);
     step       the rows' newest tokens (B, 1) run as one batch over the shared cache (`RowsKVCache`):
                rows are right-aligned, row b holding columns L - n_b .. L - 1, and the attention mask
                (B, L + 1) hides the columns before them, so each row attends its own tokens and counts its
@@ -308,12 +310,18 @@ class ContinuousBatcher:
     def _begin_prefill(self, jobs: list[Job]) -> None:
         """Lay the prompts out left-padded in a cache of their own, with the prefix each reuses already in
         it; `_prefill_chunk` runs the rest."""
-        lengths = [len(job.prompt) for job in jobs]
         matches = [None if self.prefix_cache is None else self.prefix_cache.match(job.prompt, job.prompt_logprobs)
                    for job in jobs]
-        # the columns to run: the most that any prompt has beyond its reusable prefix
-        suffix = max(length - (0 if match is None else match[1]) for length, match in zip(lengths, matches,
-                                                                                              strict=True))
+        runs = [len(job.prompt) - (0 if match is None else match[1]) for job, match in zip(jobs, matches,
+                                                                                            strict=True)]
+        kept = _worth_running_first(runs)
+        if len(kept) < len(jobs):  # the others wait for the next prefill, at the head of the queue
+            with self._wake:
+                self._waiting.extendleft(reversed([job for r, job in enumerate(jobs) if r not in kept]))
+            jobs[:] = [jobs[r] for r in kept]  # in place: should this prefill fail, those jobs are `_guarded`'s
+            matches, runs = [matches[r] for r in kept], [runs[r] for r in kept]
+        lengths = [len(job.prompt) for job in jobs]
+        suffix = max(runs)  # the columns to run: the most that any prompt has beyond its reusable prefix
         width, device = max(lengths), self._caches[0].device
         start = width - suffix
         ids = torch.zeros(len(jobs), width, dtype=torch.long)
@@ -496,6 +504,20 @@ class ContinuousBatcher:
         padding = min(length - row.cached for row in self._rows)
         for cache in self._caches:
             cache.shift(-padding)
+
+
+def _worth_running_first(runs: list[int]) -> list[int]:
+    """Which of the prompts to prefill together, given the columns each must run (beyond what it reuses):
+    all, unless the ones that run fewest, prefilled first and the rest after, cost at most half the
+    columns (rows x columns) of one pass over all, every row running the longest's columns (a few prompts
+    that reuse a long prefix beside one that reuses none)."""
+    order = sorted(range(len(runs)), key=runs.__getitem__)
+    longest = runs[order[-1]]
+    split = min(range(1, len(runs)), key=lambda i: i * runs[order[i - 1]] + (len(runs) - i) * longest,
+                default=len(runs))
+    if split == len(runs) or 2 * (split * runs[order[split - 1]] + (len(runs) - split) * longest) > len(runs) * longest:
+        return list(range(len(runs)))
+    return sorted(order[:split])
 
 
 def _generator(seed: int | None) -> torch.Generator:
