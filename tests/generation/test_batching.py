@@ -138,21 +138,108 @@ def test_rows_of_a_windowed_model_draw_what_they_draw_alone(variants):
     with torch.no_grad():  # peaked distributions: a wrong logit changes the tokens drawn
         for parameter in windowed.parameters():
             parameter.mul_(8.0 if parameter.ndim > 1 else 1.0)
-    running = ContinuousBatcher(windowed.decoder(), max_rows=3, max_queue=32)
+    # prompts prefilled 3 together in chunks of 2 columns, past the window: its cache rolls between chunks
+    running = ContinuousBatcher(windowed.decoder(), max_rows=3, max_queue=32, prefill_chunk=6)
     assert running._caches[0].capacity == variants["sliding_window"]
     prompts = random_prompts(7, seed=4)
     settings = [(0.0 if i % 2 else 1.0, 8 + (5 * i) % 17) for i in range(len(prompts))]
     collectors = [Collector() for _ in prompts]
+    for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
+        running.submit(Job(prompt, new, collectors[i], sampling=Sampling(temperature=temperature), seeds=[50 + i]))
     running.start()
     try:
-        for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
-            running.submit(Job(prompt, new, collectors[i], sampling=Sampling(temperature=temperature), seeds=[50 + i]))
         for collector in collectors:
             assert collector.done.wait(30)
     finally:
         running.stop()
     for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
         assert collectors[i].tokens() == alone(windowed, prompt, new, temperature, 50 + i), i
+
+
+class RecordingDecoder:
+    """The model's decoder, recording the shape (B, n) of every forward pass's tokens."""
+
+    def __init__(self, decoder):
+        self.decoder, self.block_size, self.shapes = decoder, decoder.block_size, []
+
+    def new_kv_caches(self, batch_size):
+        return self.decoder.new_kv_caches(batch_size)
+
+    def __call__(self, idx, **kwargs):
+        self.shapes.append(tuple(idx.shape))
+        return self.decoder(idx, **kwargs)
+
+    def all_logits(self, idx, **kwargs):
+        self.shapes.append(tuple(idx.shape))
+        return self.decoder.all_logits(idx, **kwargs)
+
+
+def test_prompts_that_wait_are_prefilled_together_in_one_forward_pass(model):
+    decoder = RecordingDecoder(model.decoder())
+    batcher = ContinuousBatcher(decoder, max_rows=5)
+    prompts = random_prompts(4, seed=9)
+    collectors = [Collector(rows=2 if i == 1 else 1) for i in range(4)]
+    for i, prompt in enumerate(prompts):  # before the batcher starts: all wait at its first turn
+        batcher.submit(Job(prompt, 6, collectors[i], sampling=Sampling(temperature=0.0 if i % 2 else 1.0),
+                           seeds=[20 + i, 40] if i == 1 else [20 + i]))
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+    assert decoder.shapes[0] == (4, max(map(len, prompts)))  # 4 prompts, left-padded, one pass
+    assert decoder.shapes[1:] == [(5, 1)] * 5  # then 5 steps of the 5 rows
+    for i, prompt in enumerate(prompts):
+        assert collectors[i].tokens() == alone(model, prompt, 6, 0.0 if i % 2 else 1.0, 20 + i), i
+    assert collectors[1].tokens(1) == alone(model, prompts[1], 6, 0.0, 40)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_steps_of_the_decoding_rows(model):
+    decoder = RecordingDecoder(model.decoder())
+    batcher = ContinuousBatcher(decoder, max_rows=2, prefill_chunk=4)
+    decoding, long = Collector(), Collector()
+    started = threading.Event()
+
+    def on_decoding(event) -> None:
+        decoding(event)
+        started.set()
+
+    prompt = torch.randint(0, VOCAB, (36,), generator=torch.Generator().manual_seed(5)).tolist()
+    batcher.start()
+    try:
+        batcher.submit(Job([1, 2], 20, on_decoding, sampling=Sampling(temperature=0.0)))
+        assert started.wait(30)
+        batcher.submit(Job(prompt, 4, long, sampling=Sampling(temperature=1.0), seeds=[8]))
+        assert long.done.wait(30) and decoding.done.wait(30)
+    finally:
+        batcher.stop()
+    chunks = [i for i, shape in enumerate(decoder.shapes) if shape == (1, 4)]
+    assert len(chunks) == 9  # 36 columns, 4 at a time, each chunk followed by a step of the decoding row
+    assert all(decoder.shapes[i + 1] == (1, 1) for i in chunks[:-1])
+    assert long.tokens() == alone(model, prompt, 4, 1.0, 8)
+    assert decoding.tokens() == alone(model, [1, 2], 20, 0.0, 0)
+
+
+def test_prompt_scores_of_a_padded_chunked_prefill_are_the_models_log_softmax(model):
+    prompts = random_prompts(3, seed=6)
+    batcher = ContinuousBatcher(model.decoder(), max_rows=3, prefill_chunk=7)
+    collectors = [Collector() for _ in prompts]
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        batcher.submit(Job(prompt, 1, collector, prompt_logprobs=2, sampling=Sampling(temperature=0.0)))
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt]))[0][0].double(), dim=-1)  # (p, V)
+        scores = collector.events[0]
+        expected = logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(scores.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+        assert [[t for t, _ in row] for row in scores.top] == logp[:-1].topk(2, dim=-1).indices.tolist()
 
 
 def test_a_job_of_n_rows_draws_seed_plus_row_for_each(model, batcher):

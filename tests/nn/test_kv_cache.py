@@ -59,6 +59,28 @@ def test_each_rows_newest_token_follows_it_through_put_move_shift_and_reorder():
     assert beams.last_tokens().tolist() == [8, 8, 5]
 
 
+def test_a_padded_rows_cache_gives_its_rows_last_n_columns_and_writes_and_reads_columns():
+    # a prefill's cache of 2 rows, 5 columns, left-padded: row 1 holds 3 positions, its last token 6
+    prompts = RowsKVCache.like(KVCache(1, 2, 8, 3), max_rows=2, max_len=5)
+    assert prompts.max_len == 5 and prompts.capacity == 5
+    prompts.resize(2)
+    keys = torch.arange(10, dtype=torch.float32).view(2, 1, 5, 1).expand(2, 2, 5, 3)
+    prompts.append(keys, -keys)
+    prompts.set_last_tokens(torch.tensor([4, 6]))
+    batch = RowsKVCache.like(KVCache(1, 2, 8, 3), max_rows=2)
+    batch.length = 4
+    batch.resize(1)
+    batch.put(0, prompts, source_row=1, n=3)
+    assert torch.equal(batch.keys()[0, :, 1:], keys[1, :, 2:])
+    assert torch.equal(batch.values()[0, :, 1:], -keys[1, :, 2:])
+    assert batch.keys()[0, :, 0].abs().sum() == 0 and batch.last_tokens().tolist() == [6]
+    read_keys, read_values = prompts.read(0, 1, 3)
+    assert torch.equal(read_keys, keys[0, :, 1:4]) and torch.equal(read_values, -keys[0, :, 1:4])
+    batch.write(0, 0, read_keys, read_values)  # a copy: the source keeps its own
+    prompts.write(0, 1, torch.zeros(2, 3, 3), torch.zeros(2, 3, 3))
+    assert torch.equal(batch.keys()[0, :, :3], keys[0, :, 1:4]) and prompts.keys()[0, :, 1:4].abs().sum() == 0
+
+
 # ----------------------------------------------------------------------------- a sliding window's rolling cache
 # Each position's key is its own number (repeated over heads and d_k), so a tensor of keys reads as positions.
 

@@ -67,3 +67,20 @@ def test_prompt_tokens_count_what_each_request_read(server, client):
                                             max_tokens=1)
     after = scrape(server)
     assert moved(before, after, "plainformer_prompt_tokens_total") == 5 + 7 + 3 + answer.usage.prompt_tokens
+
+
+def test_prefix_cache_hits_count_the_prompts_and_tokens_that_reused_a_cached_prefix(server, client):
+    prompt = "that is the question, to suffer"  # no earlier test's prompt begins with "t"
+    response = httpx.post(f"{server.root}/tokenize", json={"content": prompt}, timeout=10,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+    tokens = response.json()["tokens"]
+    before = scrape(server)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    first = scrape(server)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    second = scrape(server)
+    assert moved(before, first, "plainformer_prefix_cache_hits_total") == 0
+    assert moved(first, second, "plainformer_prefix_cache_hits_total") == 1
+    # all of the prompt but its last token, whose logits draw the first token
+    assert moved(first, second, "plainformer_prefix_cache_hit_tokens_total") == len(tokens) - 1

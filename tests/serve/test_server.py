@@ -6,6 +6,7 @@ is not there, or a missing extra are one line and status 2."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import resource
@@ -222,3 +223,62 @@ def test_a_gpts_flag_given_with_a_bert_is_one_line(flag):
     assert result.stderr.strip().splitlines() == [
         f"plainformer: error: {flag[0]} is for a GPT; minilm holds a BERT, which embeds as plainformer embed does "
         "(mean pooling)"]
+
+
+SYSTEM = "USER:\nTo be, or not to be, that is the question. Whether 'tis nobler in the mind "  # a shared prefix
+
+
+def answers(server: Server, prompts: list[str], *, concurrently: bool) -> list[tuple[str, list[float]]]:
+    """Each prompt's completion (text, token log-probabilities) from the official client: one request after
+    another, or all at once from a thread each. Odd prompts are greedy, even ones seeded samples."""
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+
+    def ask(i: int) -> tuple[str, list[float]]:
+        choice = client.completions.create(model="run", prompt=prompts[i], max_tokens=12, logprobs=0, seed=i,
+                                           temperature=0.0 if i % 2 else 0.9).choices[0]
+        return choice.text, choice.logprobs.token_logprobs
+
+    if not concurrently:
+        return [ask(i) for i in range(len(prompts))]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, range(len(prompts))))
+
+
+def closing_metrics(server: Server) -> dict:
+    code, _, err = server.stop()
+    assert code == 0, err
+    return json.loads(err.splitlines()[-1])
+
+
+def test_16_concurrent_requests_equal_their_solo_answers_with_and_without_the_prefix_cache(run):
+    # a shared prefix and suffixes of different lengths: the 16 are prefilled together, padded, and once
+    # cached each reuses the prefix (the second round its whole prompt but the last token)
+    prompts = [SYSTEM + f"{i % 6} " + "to be " * (i // 6) + "or not"[:1 + i % 6] + ".\n\nASSISTANT:\n"
+               for i in range(16)]
+    solo_server = Server("--ckpt", str(run), "--prefix-cache-mb", "0")
+    try:
+        solo = answers(solo_server, prompts, concurrently=False)
+    finally:
+        assert closing_metrics(solo_server)["prefix_cache_hits"] == 0
+    server = Server("--ckpt", str(run), "--max-batch", "16", "--prefix-cache-mb", "50")
+    try:
+        rounds = [answers(server, prompts, concurrently=True) for _ in range(2)]
+    finally:
+        hits = closing_metrics(server)["prefix_cache_hits"]
+    assert "a prefix cache of 50.0 MB" in server.logged and "no prefix cache" in solo_server.logged
+    assert hits >= 16
+    for together in rounds:
+        for (text, logprobs), (solo_text, solo_logprobs) in zip(together, solo, strict=True):
+            assert text == solo_text
+            assert max(abs(a - b) for a, b in zip(logprobs, solo_logprobs, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("value", ["-1", "ten", "nan", "inf"])
+def test_a_bad_prefix_cache_size_is_refused_in_one_line(run, value):
+    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
+                             f"--prefix-cache-mb={value}"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plainformer: error: argument --prefix-cache-mb:"), lines
+    assert "finite number >= 0" in lines[0]

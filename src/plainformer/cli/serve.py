@@ -23,9 +23,11 @@ from typing import Any
 from ..families.family import checkpoint_dir
 from ..families.finetuning import base_family
 from ..families.gpt import check_decoding_memory, load_language_model
+from ..generation.prefix_cache import default_capacity
 from ..hf.bert import MINILM_NAME
 from ..inference import for_decoding
 from ..launch import log
+from ..memory import format_size
 from ..nn.lora import unload_lora
 from ..serve.chat import TIMEOUT_S as TEMPLATE_TIMEOUT_S
 from ..serve.embeddings import POOLINGS, PooledGPT, SentenceEmbedder
@@ -67,6 +69,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-response-tokens", type=positive_int, default=MAX_RESPONSE_TOKENS, metavar="N",
                         help="tokens one response may carry, counting echoed prompts and each logprob alternative; "
                              "a request that could exceed it is answered 400 (default: %(default)s)")
+    parser.add_argument("--prefix-cache-mb", type=non_negative_float, metavar="MB",
+                        help="megabytes (10^6 bytes) of prompts' keys and values kept for the prompts that begin as "
+                             "they do, least recently used evicted first; 0: none (default: an eighth of the memory "
+                             "available once the model is loaded, at most 4 GiB; a model with a sliding window "
+                             "keeps none)")
     parser.add_argument("--model-name", metavar="NAME",
                         help="the model's id in the API (default: the directory's name)")
     parser.add_argument("--pooling", choices=POOLINGS,
@@ -142,13 +149,20 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         log(f"plainformer serve: warning: listening on {host}, beyond this machine, with no --api-key: "
             "anyone who reaches it can use the model")
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-    serving = f"--max-batch {args.max_batch}" if service.batcher is not None else "embeddings"
+    batcher = service.batcher
+    if batcher is None:
+        serving = "embeddings"
+    else:
+        cache = batcher.prefix_cache
+        cached = f"a prefix cache of {format_size(cache.capacity)}" if cache is not None else "no prefix cache"
+        serving = f"--max-batch {args.max_batch}, {cached}"
     ready = f"plainformer serve: {name} at {url} ({serving}); Ctrl-C to stop"
     start = time.perf_counter()
     app = create_app(service, api_key=args.api_key, renderer=renderer, on_ready=lambda: log(ready))
-    server.run(app, sock, service.batcher or server.Idle(), grace_s=args.timeout_shutdown, connections=connections)
+    server.run(app, sock, batcher or server.Idle(), grace_s=args.timeout_shutdown, connections=connections)
     return {"model": name, "served_s": time.perf_counter() - start,
-            "decoding_steps": 0 if service.batcher is None else service.batcher.steps}
+            "decoding_steps": 0 if batcher is None else batcher.steps,
+            "prefix_cache_hits": 0 if batcher is None else batcher.prefix_cache_hits}
 
 
 def _service(args: argparse.Namespace, name: str) -> Service:
@@ -165,15 +179,17 @@ def _service(args: argparse.Namespace, name: str) -> Service:
                                 "does (mean pooling)")
         encoder = load_encoder(str(args.ckpt))
         return Service(None, name, embedder=SentenceEmbedder(encoder, dtype=DTYPES[args.dtype]),
-                             max_response_tokens=args.max_response_tokens)
+                       max_response_tokens=args.max_response_tokens)
     model, _ = load_language_model(path, args.dtype, quantized=args.quantize)
     unload_lora(model)  # a LoRA run's adapter merged: decoding then costs what the base's does
     check_decoding_memory(model, args.max_batch, model.config.block_size, f"serving --max-batch {args.max_batch} rows")
     for_decoding(model)
     model.eval()
     embedder = None if args.pooling is None else PooledGPT(model, args.pooling)
+    cache_bytes = (default_capacity(model.token_embedding.weight.device) if args.prefix_cache_mb is None
+                   else int(args.prefix_cache_mb * 1e6))
     return Service(model, name, embedder=embedder, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_response_tokens=args.max_response_tokens)
+                   max_response_tokens=args.max_response_tokens, prefix_cache_bytes=cache_bytes)
 
 
 def _default_name(ckpt: Path) -> str:

@@ -56,9 +56,11 @@ class GPTDecoder:
         hidden = self.model.hidden_states(idx, kv_caches=kv_caches, attention_mask=attention_mask)
         return self.model.output_logits(hidden[:, -1:]), None  # (B, 1, V)
 
-    def all_logits(self, idx: Tensor, *, kv_caches: list[Any] | None = None) -> Tensor:
+    def all_logits(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
+                   attention_mask: Tensor | None = None) -> Tensor:
         """The logits (B, n, V) of every position of idx (B, n): what scoring a prompt reads."""
-        return self.model.output_logits(self.model.hidden_states(idx, kv_caches=kv_caches))
+        return self.model.output_logits(self.model.hidden_states(idx, kv_caches=kv_caches,
+                                                                 attention_mask=attention_mask))
 
 
 class SourceBoundDecoder:

@@ -139,11 +139,12 @@ class RowsKVCache(KVCache):
         self.resize(0)
 
     @classmethod
-    def like(cls, cache: KVCache, max_rows: int) -> RowsKVCache:
-        """A cache of max_rows rows with the heads, length, window, width, dtype and device of `cache`."""
+    def like(cls, cache: KVCache, max_rows: int, max_len: int | None = None) -> RowsKVCache:
+        """A cache of max_rows rows with the heads, window, width, dtype and device of `cache`, and its
+        max_len or `max_len` (a batch of prompts of at most that many columns)."""
         _, heads, _, head_dim = cache._k.shape
-        return cls(max_rows, heads, cache.max_len, head_dim, dtype=cache._k.dtype, device=cache._k.device,
-                   window=cache.window)
+        return cls(max_rows, heads, cache.max_len if max_len is None else max_len, head_dim, dtype=cache._k.dtype,
+                   device=cache._k.device, window=cache.window)
 
     @property
     def rows(self) -> int:
@@ -157,13 +158,24 @@ class RowsKVCache(KVCache):
         """Decode with the first `rows` rows (those past it are free)."""
         self._k, self._v, self._last = self._k_all[:rows], self._v_all[:rows], self._last_all[:rows]
 
-    def put(self, row: int, source: KVCache) -> None:
-        """Copy the held positions of `source` (a one-row cache, no longer than this one) into `row`,
-        ending at column length-1."""
-        n, held = source.held, self.held
-        self._k_all[row, :, held - n:held] = source.keys()[0]
-        self._v_all[row, :, held - n:held] = source.values()[0]
-        self._last_all[row] = source.last_tokens()[0]
+    def put(self, row: int, source: KVCache, source_row: int = 0, n: int | None = None) -> None:
+        """Copy the newest n held positions (default all) of row `source_row` of `source` (no longer than
+        this cache) into `row`, ending at column length-1."""
+        n, held = source.held if n is None else n, self.held
+        self._k_all[row, :, held - n:held] = source.keys()[source_row, :, source.held - n:]
+        self._v_all[row, :, held - n:held] = source.values()[source_row, :, source.held - n:]
+        self._last_all[row] = source.last_tokens()[source_row]
+
+    def write(self, row: int, column: int, keys: Tensor, values: Tensor) -> None:
+        """Store keys and values (H_kv, n, d_k) of `row` at buffer columns column .. column+n-1 (a prefix
+        computed before, `read` from another cache; no window: a buffer column is then a position)."""
+        n = keys.shape[1]
+        self._k_all[row, :, column:column + n] = keys
+        self._v_all[row, :, column:column + n] = values
+
+    def read(self, row: int, column: int, n: int) -> tuple[Tensor, Tensor]:
+        """A copy of the keys and values (H_kv, n, d_k) of `row` at buffer columns column .. column+n-1."""
+        return (self._k_all[row, :, column:column + n].clone(), self._v_all[row, :, column:column + n].clone())
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s positions into row `dst` (a finished row's slot is refilled by the last row)."""

@@ -32,11 +32,15 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 
 
 
 def batcher_metrics(batcher: ContinuousBatcher) -> list[Metric]:
-    """What the batcher reports at a scrape: one line per metric (a prefix cache's hits go here)."""
+    """What the batcher reports at a scrape, one line per metric."""
     return [
         GaugeMetricFamily("plainformer_queue_depth", "jobs (one per prompt) waiting for batch rows", batcher.queued),
         GaugeMetricFamily("plainformer_active_rows", "batch rows decoding now", batcher.active_rows),
         CounterMetricFamily("plainformer_decoding_steps", "batched decoding steps taken", batcher.steps),
+        CounterMetricFamily("plainformer_prefix_cache_hits", "prompts that reused a cached prefix's keys and values",
+                            batcher.prefix_cache_hits),
+        CounterMetricFamily("plainformer_prefix_cache_hit_tokens", "prompt tokens whose keys and values were reused",
+                            batcher.prefix_cache_hit_tokens),
     ]
 
 

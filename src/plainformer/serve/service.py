@@ -46,12 +46,12 @@ MAX_RESPONSE_TOKENS = 1 << 18  # ~10 MB of JSON with logprobs
 
 class Service:
     """`model` (with its tokenizer) served as `name` by a batcher of max_batch rows and max_queue waiting
-    jobs (one per prompt), each response carrying at most max_response_tokens (see the module docstring);
-    `embedder` answers /v1/embeddings. A server of an embedding model alone (model None) generates nothing:
-    its completion endpoints answer 400 naming `model`."""
+    jobs (one per prompt) and a prefix cache of prefix_cache_bytes (0: none), each response carrying at most
+    max_response_tokens (see the module docstring); `embedder` answers /v1/embeddings. A server of an embedding
+    model alone (model None) generates nothing: its completion endpoints answer 400 naming `model`."""
 
     def __init__(self, model: GPT | None, name: str, *, embedder: Embedder | None = None, max_batch: int = 16,
-                 max_queue: int = 64, max_response_tokens: int = MAX_RESPONSE_TOKENS):
+                 max_queue: int = 64, max_response_tokens: int = MAX_RESPONSE_TOKENS, prefix_cache_bytes: int = 0):
         tokenizer = model.tokenizer if model is not None else None if embedder is None else embedder.tokenizer
         if model is None and embedder is None:
             raise ValueError("a service needs a model that generates or one that embeds")
@@ -59,8 +59,8 @@ class Service:
             raise ValueError("the model has no tokenizer, so text cannot be encoded")
         _checks.check_positive_int("max_response_tokens", max_response_tokens)
         self.model, self.embedder, self.tokenizer, self.name = model, embedder, tokenizer, name
-        self.batcher = None if model is None else ContinuousBatcher(model.decoder(), max_rows=max_batch,
-                                                                    max_queue=max_queue)
+        self.batcher = None if model is None else ContinuousBatcher(
+            model.decoder(), max_rows=max_batch, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
         self.max_response_tokens = max_response_tokens
         self.created = int(time.time())
 
