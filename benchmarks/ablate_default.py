@@ -42,6 +42,7 @@ from plainformer import recipes
 from plainformer.memory import keep_freed_memory
 from plainformer.training.config import TrainConfig
 from plainformer.training.evaluation import validation_loss
+from plainformer.training.kernels import chosen_kernels, run_kernels
 
 # name -> (GPTConfig changes, TrainConfig changes), all relative to the `default` preset.
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -187,7 +188,9 @@ def train(model_config: pf.GPTConfig, train_config: TrainConfig, data: pf.LMData
                               seed=train_config.seed)
     torch.manual_seed(train_config.seed)
     model = pf.GPT(model_config)
-    metrics = pf.Trainer(model, source, train_config, out_dir, tokenizer=data.tokenizer, progress=False).fit()
+    kernels, _ = run_kernels(model, train_config, source, out_dir)  # as `train` measures a float32 run's
+    with chosen_kernels(model, kernels):
+        metrics = pf.Trainer(model, source, train_config, out_dir, tokenizer=data.tokenizer, progress=False).fit()
     # The recipe's 40 validation batches are drawn with the run's seed and batch size, so they differ between
     # seeds and batch sizes; every token of the split (in float32) compares any two runs on the same text.
     whole_split, _ = validation_loss(model, data.val_tokens, model_config.block_size, train_config.batch_size)

@@ -1,17 +1,22 @@
 """What a model family is to the rest of the package, and a resolved recipe of one (families/family.py):
 a Family checked against its classes when registered, a Run's recipe.yaml, the checkpoint a run
-directory holds, what is no model at all, and the memory training or evaluating would need, refused
-before anything is spent."""
+directory holds, what is no model at all, the memory training or evaluating would need, refused
+before anything is spent, and the linear layers' kernels a run trains on, kept with it for its resumes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 import plainformer as pf
 from plainformer import families
+from plainformer.checkpoint import format as checkpoint_format
+from plainformer.checkpoint.format import load_checkpoint
 from plainformer.cli.train import read_config_file
 from plainformer.families.family import (
     FINE_TUNING_OPTIONS,
@@ -20,13 +25,16 @@ from plainformer.families.family import (
     check_evaluation_memory,
     check_training_memory,
     checkpoint_dir,
+    fit,
     plain,
     refuse_non_model,
     run_and_checkpoint,
 )
 from plainformer.memory import MemoryBudgetError, memory_limit
 from plainformer.models.memory import held_bytes
+from plainformer.training import kernels
 from plainformer.training.config import TrainConfig
+from plainformer.training.kernels import KERNELS_FILE
 from tests.reference.tiny_models import GPT_TINY
 
 
@@ -167,3 +175,109 @@ def test_evaluation_is_refused_when_a_forward_pass_beside_the_model_would_not_fi
         with pytest.raises(MemoryBudgetError, match=r"^evaluating 100000 rows at once \(--batch-size\) needs ~[\d.]+ "
                                                     r"[GM]B for the model and a forward pass, more than the "):
             check_evaluation_memory(model, rows=100_000)
+
+
+# ----------------------------------------------------------------------------- the linear layers' kernels
+
+ONEDNN_FORWARD = {"forward": "onednn", "grad_input": "onednn", "grad_weight": "aten"}
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+class Kernels:
+    """The measurement of `training.kernels`, answering ONEDNN_FORWARD: the rows it was asked for
+    (`measured`), and the kernels each plain linear layer's forward ran on (`ran`)."""
+
+    def __init__(self, monkeypatch):
+        self.measured, self.ran = [], []
+        monkeypatch.setattr(kernels, "choose_kernels", lambda model, rows: self.measured.append(rows) or (
+            dict(ONEDNN_FORWARD), dict(forward=1.2, grad_input=1.3, grad_weight=0.8)))
+        layer_forward = kernels._layer_forward
+        monkeypatch.setattr(kernels, "_layer_forward", lambda layer, chosen, x: self.ran.append(chosen)
+                            or layer_forward(layer, chosen, x))
+
+
+def _fit_tiny_gpt(out: Path, max_steps: int, resume: bool = False, seed: int = 0) -> tuple[pf.GPT, dict]:
+    """`fit` a tiny GPT for `max_steps` of one schedule (decay over 8 steps), from OUT/last with `resume`
+    (the model's initial weights, from `seed`, then replaced by the checkpoint's)."""
+    torch.manual_seed(seed)
+    model = pf.GPT(pf.GPTConfig(**GPT_TINY))
+    tokens = np.random.default_rng(0).integers(0, GPT_TINY["vocab_size"], 1000)
+    source = pf.LMBatchSource(tokens[:800], tokens[800:], GPT_TINY["block_size"], seed=3)
+    train = TrainConfig(max_steps=max_steps, decay_steps=8, batch_size=2, lr=1e-2, min_lr=1e-3, warmup_steps=2,
+                        eval_interval=3, eval_batches=2, log_interval=1, save_interval=0, seed=7, dtype="float32")
+    run = Run("gpt-test", families.get("gpt"), model.config, train, {}, out,
+              load_checkpoint(out / "last") if resume else None, False, {})
+    return model, fit(run, model, source, tokenizer=None)
+
+
+def _metrics(out: Path, key: str) -> list:
+    return [(r["step"], r[key]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@needs_onednn
+def test_a_float32_run_trains_on_the_measured_kernels_keeps_them_with_the_run_and_resumes_on_them_bit_exact(
+        tmp_path, monkeypatch, capsys):
+    chosen = Kernels(monkeypatch)
+    whole, _ = _fit_tiny_gpt(tmp_path / "whole", max_steps=8)
+    assert chosen.measured == [2 * GPT_TINY["block_size"]]  # a batch's tokens
+    assert chosen.ran and all(kernels == ONEDNN_FORWARD for kernels in chosen.ran)  # every product on the choice
+    assert not any("forward" in vars(layer) for layer in whole.modules())  # and as before after the run
+    assert "linear kernels: forward onednn (1.20x), grad input onednn (1.30x), grad weight aten (0.80x)" \
+        in capsys.readouterr().err
+
+    _fit_tiny_gpt(tmp_path / "split", max_steps=4)
+    assert json.loads((tmp_path / "split" / KERNELS_FILE).read_text()) == ONEDNN_FORWARD  # kept with the run,
+    assert "linear_kernels" not in load_checkpoint(tmp_path / "split" / "last").trainer_state  # not the Trainer's
+    chosen.measured.clear()
+    chosen.ran.clear()
+    resumed, _ = _fit_tiny_gpt(tmp_path / "split", max_steps=8, resume=True, seed=99)
+    assert chosen.measured == [] and chosen.ran and all(kernels == ONEDNN_FORWARD for kernels in chosen.ran)
+    assert "linear kernels: forward onednn, grad input onednn, grad weight aten (resumed)" in capsys.readouterr().err
+    _assert_same_weights(resumed, whole)
+    assert _metrics(tmp_path / "split", "train_loss") == _metrics(tmp_path / "whole", "train_loss")
+
+
+def _as_written_before_the_kernels_file(out: Path) -> None:
+    """OUT as a plainformer whose Trainer chose the kernels left it: the choice in last/trainer_state.json
+    (the manifest made to match, as that plainformer wrote it), no KERNELS_FILE."""
+    kept = json.loads((out / KERNELS_FILE).read_text())
+    (out / KERNELS_FILE).unlink()
+    state = out / "last" / "trainer_state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "linear_kernels": kept}))
+    (out / "last" / "manifest.json").unlink()
+    checkpoint_format._write_manifest(out / "last")
+
+
+@needs_onednn
+def test_a_checkpoint_that_holds_its_kernels_in_the_trainer_state_resumes_on_them_bit_exact(
+        tmp_path, monkeypatch, capsys):
+    chosen = Kernels(monkeypatch)
+    whole, _ = _fit_tiny_gpt(tmp_path / "whole", max_steps=8)
+    _fit_tiny_gpt(tmp_path / "old", max_steps=4)
+    _as_written_before_the_kernels_file(tmp_path / "old")
+    chosen.measured.clear()
+    chosen.ran.clear()
+    capsys.readouterr()
+    resumed, _ = _fit_tiny_gpt(tmp_path / "old", max_steps=8, resume=True, seed=99)
+    assert chosen.measured == [] and chosen.ran and all(kernels == ONEDNN_FORWARD for kernels in chosen.ran)
+    assert "linear kernels: forward onednn, grad input onednn, grad weight aten (resumed)" in capsys.readouterr().err
+    _assert_same_weights(resumed, whole)
+    assert _metrics(tmp_path / "old", "train_loss") == _metrics(tmp_path / "whole", "train_loss")
+    assert json.loads((tmp_path / "old" / KERNELS_FILE).read_text()) == ONEDNN_FORWARD  # adopted by the run
+
+
+@needs_onednn
+def test_a_run_begun_before_kernels_were_chosen_resumes_on_aten_without_measuring(tmp_path, monkeypatch):
+    chosen = Kernels(monkeypatch)
+    _fit_tiny_gpt(tmp_path, max_steps=2)
+    (tmp_path / KERNELS_FILE).unlink()  # and its trainer state holds none
+    chosen.measured.clear()
+    chosen.ran.clear()
+    _fit_tiny_gpt(tmp_path, max_steps=3, resume=True)
+    assert chosen.measured == [] and chosen.ran == []  # every layer's F.linear, as autograd multiplies
+    assert json.loads((tmp_path / KERNELS_FILE).read_text()) == dict.fromkeys(kernels.PRODUCTS, "aten")

@@ -1,17 +1,25 @@
-"""Tests for plainformer.training.kernels: each linear product on the kernel chosen for it, against float64."""
+"""Tests for plainformer.training.kernels: each linear product on the kernel chosen for it, against float64;
+the choice of a run, measured, kept in its directory and taken again on a resume."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plainformer.checkpoint.format import Checkpoint, CheckpointError
+from plainformer.launch import Launch
 from plainformer.training import kernels
+from plainformer.training.config import TrainConfig
 from plainformer.training.kernels import (
     ATEN,
+    KERNELS_FILE,
     MAX_TIMED_ROWS,
     MIN_SPEEDUP,
     MIN_STEP_SPEEDUP,
@@ -20,6 +28,9 @@ from plainformer.training.kernels import (
     chosen_kernels,
     chosen_linear,
     describe,
+    keep_kernels,
+    kept_kernels,
+    run_kernels,
 )
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -222,3 +233,92 @@ def test_describe_names_each_product_and_its_speedup():
     assert describe(ATEN) == "forward aten, grad input aten, grad weight aten"
     assert describe(ATEN, {"forward": 1.2, "grad_input": 1.15, "grad_weight": 0.5, "step": 0.94}) == \
         "forward aten (1.20x), grad input aten (1.15x), grad weight aten (0.50x); their layers' step 0.94x"
+
+
+# ----------------------------------------------------------------------------- a run's choice
+
+ONEDNN_FORWARD = {"forward": "onednn", "grad_input": "onednn", "grad_weight": "aten"}
+
+
+class Rows:
+    """A batch source whose every batch holds `batch_size` rows of 8 tokens, counting what it is asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    def get_batch(self, split, index, batch_size):
+        self.asked.append((split, index, batch_size))
+        return {"idx": torch.zeros(batch_size, 8, dtype=torch.long), "targets": torch.zeros(batch_size, 8)}
+
+
+def _checkpoint(trainer_state, path: Path = Path("run/last")) -> Checkpoint:
+    return Checkpoint(path=path, family="tiny", model_config={}, train_config={}, state_dict={},
+                      trainer_state=trainer_state)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The measurement of `choose_kernels`, answering ONEDNN_FORWARD -> the rows it was asked for."""
+    rows = []
+    monkeypatch.setattr(kernels, "choose_kernels", lambda model, n: rows.append(n) or (
+        dict(ONEDNN_FORWARD), dict(forward=1.2, grad_input=1.3, grad_weight=0.8)))
+    return rows
+
+
+@needs_onednn
+def test_a_new_float32_run_measures_on_a_validation_batchs_tokens(measured, tmp_path):
+    source = Rows()
+    chosen, note = run_kernels(_linear_model(), TrainConfig(batch_size=3, dtype="float32"), source, tmp_path)
+    assert chosen == ONEDNN_FORWARD and measured == [3 * 8] and source.asked == [("val", 0, 3)]
+    assert note == ("linear kernels: forward onednn (1.20x), grad input onednn (1.30x), grad weight aten (0.80x) "
+                    "(oneDNN's speed / aten's, measured)")
+
+
+@needs_onednn
+def test_a_resumed_run_takes_the_kernels_it_kept_without_measuring(measured, tmp_path):
+    source = Rows()
+    keep_kernels(tmp_path, ONEDNN_FORWARD)
+    chosen, note = run_kernels(_linear_model(), TrainConfig(dtype="float32"), source, tmp_path, _checkpoint({}))
+    assert chosen == ONEDNN_FORWARD and measured == [] and source.asked == []
+    assert note == "linear kernels: forward onednn, grad input onednn, grad weight aten (resumed)"
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "compiled", "float64 model", "a process of a launch"])
+def test_a_run_without_a_choice_trains_on_aten_and_measures_nothing(case, measured, monkeypatch, tmp_path):
+    model, config = _linear_model(), TrainConfig(dtype="float32")
+    if case == "bfloat16":
+        config = config.replace(dtype="bfloat16")
+    elif case == "compiled":
+        config = config.replace(compile=True)
+    elif case == "float64 model":
+        model.double()
+    else:
+        monkeypatch.setattr(kernels, "current_launch", lambda: Launch(rank=1, world_size=2))
+    keep_kernels(tmp_path, ONEDNN_FORWARD)
+    for resume in (None, _checkpoint({})):
+        assert run_kernels(model, config, Rows(), tmp_path, resume) == (ATEN, None)
+    assert measured == []
+
+
+def test_the_kept_kernels_are_the_run_files_then_an_older_checkpoints_then_aten(tmp_path):
+    older = _checkpoint({"step": 4, "linear_kernels": dict(ONEDNN_FORWARD, grad_weight="onednn")})
+    assert kept_kernels(tmp_path, _checkpoint({"step": 4})) == ATEN  # a run from before kernels were chosen
+    assert kept_kernels(tmp_path, older) == dict(ONEDNN_FORWARD, grad_weight="onednn")  # as its Trainer kept them
+    keep_kernels(tmp_path, ONEDNN_FORWARD)
+    assert json.loads((tmp_path / KERNELS_FILE).read_text()) == ONEDNN_FORWARD
+    assert [p.name for p in tmp_path.iterdir()] == [KERNELS_FILE]  # written in one rename, nothing left over
+    assert kept_kernels(tmp_path, older) == ONEDNN_FORWARD
+
+
+@pytest.mark.parametrize("where", ["run file", "older checkpoint"])
+@pytest.mark.parametrize("choice", [
+    {"forward": "onednn"}, {"forward": "mkl", "grad_input": "aten", "grad_weight": "aten"}, ["aten"] * 3])
+def test_a_malformed_kept_choice_is_refused_naming_the_file_the_products_and_the_kernels(tmp_path, where, choice):
+    if where == "run file":
+        (tmp_path / KERNELS_FILE).write_text(json.dumps(choice))
+        checkpoint, file = _checkpoint({"step": 4}), tmp_path / KERNELS_FILE
+    else:
+        checkpoint, file = _checkpoint({"step": 4, "linear_kernels": choice}), Path("run/last/trainer_state.json")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(file))}: kernels must map each of forward, "
+                                              r"grad_input, grad_weight to one of aten, onednn, got "):
+        kept_kernels(tmp_path, checkpoint)

@@ -15,10 +15,8 @@ from plainformer.training.state import TrainerState
 # What the trainer wrote before TrainerState existed (the "rng" keys aside): the file format it keeps.
 WRITTEN = {"step": 40, "data_position": 80, "best_val_loss": 1.25, "train_loss": 1.5, "val_loss": 1.375,
            "elapsed_s": 12.5, "world_size": 2, "evaluated_step": 40,
-           "log_window": {"loss_sum": 0.75, "steps": 3}, "planned_steps": 90,
-           "linear_kernels": {"forward": "onednn", "grad_input": "onednn", "grad_weight": "aten"}}
-# A checkpoint of a plainformer from before world_size, evaluated_step, log_window, planned_steps and
-# linear_kernels.
+           "log_window": {"loss_sum": 0.75, "steps": 3}, "planned_steps": 90}
+# A checkpoint of a plainformer from before world_size, evaluated_step, log_window and planned_steps.
 OLDEST = {k: WRITTEN[k] for k in ("step", "data_position", "best_val_loss", "train_loss", "val_loss", "elapsed_s")}
 
 
@@ -39,15 +37,14 @@ def test_the_file_written_holds_the_fields_of_before_and_reads_back_equal(tmp_pa
 def test_a_checkpoint_of_an_older_plainformer_reads_with_the_defaults():
     state = TrainerState.from_checkpoint(checkpoint_holding(OLDEST))
     assert state.to_dict() == {**OLDEST, "world_size": None, "evaluated_step": None,
-                               "log_window": {"loss_sum": 0.0, "steps": 0}, "planned_steps": None,
-                               "linear_kernels": None}
+                               "log_window": {"loss_sum": 0.0, "steps": 0}, "planned_steps": None}
 
 
 def test_a_fresh_state_is_a_run_before_its_first_step():
     assert TrainerState.fresh().to_dict() == {
         "step": 0, "data_position": 0, "best_val_loss": None, "train_loss": None, "val_loss": None,
         "elapsed_s": 0.0, "world_size": None, "evaluated_step": None, "log_window": {"loss_sum": 0.0, "steps": 0},
-        "planned_steps": None, "linear_kernels": None}
+        "planned_steps": None}
 
 
 def test_the_rng_states_and_other_keys_are_left_to_the_checkpoint():
@@ -82,13 +79,12 @@ def test_a_malformed_field_is_refused_naming_the_file_and_the_field(edit, field)
         TrainerState.from_checkpoint(checkpoint_holding({**WRITTEN, **edit}))
 
 
-@pytest.mark.parametrize("kernels", [
-    {"forward": "onednn"}, {"forward": "mkl", "grad_input": "aten", "grad_weight": "aten"}, ["aten"] * 3])
-def test_a_malformed_kernel_choice_is_refused_naming_the_products_and_kernels(kernels):
-    with pytest.raises(CheckpointError, match=r"linear_kernels malformed \(expected counts >= 0 and numbers; "
-                                              r"linear_kernels maps each of forward, grad_input, grad_weight to "
-                                              r"one of aten, onednn\)$"):
-        TrainerState.from_checkpoint(checkpoint_holding({**WRITTEN, "linear_kernels": kernels}))
+def test_the_kernel_choice_a_trainer_of_before_kept_is_left_to_the_checkpoint():
+    """Checkpoints of the plainformers whose Trainer chose the linear layers' kernels hold "linear_kernels"
+    in this file: it reads as the state it was, the choice being the run's (`training.kernels.kept_kernels`)."""
+    choice = {"forward": "onednn", "grad_input": "onednn", "grad_weight": "aten"}
+    state = TrainerState.from_checkpoint(checkpoint_holding({**WRITTEN, "linear_kernels": choice}))
+    assert state == TrainerState.from_dict(WRITTEN) and "linear_kernels" not in state.to_dict()
 
 
 def test_every_malformed_field_is_named_at_once():

@@ -355,61 +355,6 @@ def test_resume_from_a_loaded_checkpoint_reads_and_verifies_it_no_more_and_conti
     assert read_metrics(tmp_path / "b", "train_loss") == read_metrics(tmp_path / "a", "train_loss")
 
 
-ONEDNN_FORWARD = {"forward": "onednn", "grad_input": "onednn", "grad_weight": "aten"}
-
-
-@pytest.fixture
-def measured(monkeypatch):
-    """The kernel measurement of `training.kernels`, answering ONEDNN_FORWARD -> the rows it was asked for."""
-    from plainformer.training import trainer as trainer_module
-
-    rows = []
-    monkeypatch.setattr(trainer_module, "choose_kernels", lambda model, n: rows.append(n) or (
-        dict(ONEDNN_FORWARD), dict(forward=1.2, grad_input=1.3, grad_weight=0.8)))
-    return rows
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_a_float32_run_trains_on_the_measured_kernels_keeps_them_and_resumes_on_them_bit_exact(
-        tmp_path, measured, capsys):
-    from plainformer.training import kernels
-
-    seen = []
-    model = fresh_model()
-    model.fc1.register_forward_pre_hook(lambda module, args: seen.append(vars(module).get("forward")))
-    reference, _ = train(tmp_path / "a", model=model, max_steps=8)
-    assert measured == [4 * SEQ]  # a batch's tokens
-    assert seen and all(forward.func is kernels._layer_forward for forward in seen)  # on the kernels chosen
-    assert "forward" not in vars(reference.model.fc1)  # and as before after the run
-    assert "linear kernels: forward onednn (1.20x), grad input onednn (1.30x), grad weight aten (0.80x)" \
-        in capsys.readouterr().err
-
-    train(tmp_path / "b", max_steps=4, decay_steps=8)
-    assert load_checkpoint(tmp_path / "b" / "last").trainer_state["linear_kernels"] == ONEDNN_FORWARD
-    measured.clear()
-    resumed, _ = train(tmp_path / "b", resume=True, model=fresh_model(seed=99), max_steps=8, decay_steps=8)
-    assert measured == []  # the checkpoint's choice, not a new measurement
-    assert "linear kernels: forward onednn, grad input onednn, grad weight aten (resumed)" in capsys.readouterr().err
-    assert_same_weights(resumed.model, reference.model)
-    assert read_metrics(tmp_path / "b", "train_loss") == read_metrics(tmp_path / "a", "train_loss")
-
-
-def test_a_checkpoint_without_a_kernel_choice_resumes_on_aten(tmp_path, measured):
-    train(tmp_path, max_steps=2)
-    loaded = load_checkpoint(tmp_path / "last")
-    older = {k: v for k, v in loaded.trainer_state.items() if k != "linear_kernels"}  # as plainformers before it
-    measured.clear()
-    trainer = Trainer(fresh_model(), CountingTokens(), small_config(max_steps=3), tmp_path,
-                      resume=dataclasses.replace(loaded, trainer_state=older), progress=False)
-    assert measured == [] and set(trainer._linear_kernels.values()) == {"aten"}
-
-
-@pytest.mark.parametrize("overrides", [dict(dtype="bfloat16"), dict(compile=True)])
-def test_bf16_and_compiled_runs_do_not_measure_kernels(tmp_path, measured, overrides):
-    trainer = Trainer(fresh_model(), CountingTokens(), small_config(**overrides), tmp_path, progress=False)
-    assert measured == [] and set(trainer._linear_kernels.values()) == {"aten"}
-
-
 def test_resume_from_a_loaded_checkpoint_of_another_family_or_model_is_refused(tmp_path):
     train(tmp_path, max_steps=1)
     loaded = load_checkpoint(tmp_path / "last")

@@ -28,6 +28,7 @@ from ..memory import check_memory
 from ..models.memory import context_length, forward_bytes, held_bytes, training_bytes
 from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
+from ..training.kernels import chosen_kernels, keep_kernels, run_kernels
 from ..training.trainer import Trainer
 
 RECIPE_FILE = "recipe.yaml"
@@ -254,19 +255,28 @@ def check_evaluation_memory(model: SavedModel, rows: int, seq_len: int | None = 
 def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None,
         adapter: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Train `model` as `run` says, once the data and the model are ready: the memory it needs is checked
-    first (`check_training_memory`), then the recipe is written to OUT/recipe.yaml, so that a run that
-    stops early can still be repeated, and only once the run directory is locked, so that a run refused
-    by the lock leaves the owner's recipe alone. `adapter`: a LoRA run's record (`Trainer`). The metrics
-    gain the model's parameters, all and trainable."""
+    first (`check_training_memory`); a float32 run's linear layers then multiply on the kernels measured
+    faster here, or on those the run kept when it resumes (`training.kernels`), applied to the model for
+    the Trainer. The recipe is written to OUT/recipe.yaml and the kernels beside it, so that a run that
+    stops early can still be repeated and resumed, and only once the run directory is locked, so that a
+    run refused by the lock leaves the owner's files alone. `adapter`: a LoRA run's record (`Trainer`).
+    The metrics gain the model's parameters, all and trainable."""
+    train = train or run.train_config
     check_training_memory(run, train, model)
-    trainer = Trainer(model, source, train or run.train_config, run.out, tokenizer=tokenizer,
-                      resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
-                      adapter=adapter)
+    kernels, kernels_note = run_kernels(model, train, source, run.out, run.checkpoint)
 
     def on_locked() -> None:
         if run.shape_note is not None:
             log(run.shape_note)
         log(f"recipe {run.preset} ({run.family_name}) -> {run.write_recipe()}")
+        keep_kernels(run.out, kernels)
+        if kernels_note is not None:
+            log(kernels_note)
 
-    return {**trainer.fit(on_locked=on_locked), "parameters": sum(p.numel() for p in model.parameters()),
+    with chosen_kernels(model, kernels):
+        trainer = Trainer(model, source, train, run.out, tokenizer=tokenizer,
+                          resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
+                          adapter=adapter)
+        metrics = trainer.fit(on_locked=on_locked)
+    return {**metrics, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}

@@ -1,6 +1,6 @@
-"""The Trainer's bookkeeping: a Ctrl-C that asks for a clean stop, the clock of training steps, the
-seconds of everything else a run does, the losses and tokens since the last log line, and metrics.jsonl
-cut back to a resumed step."""
+"""The Trainer's bookkeeping: a Ctrl-C that asks for a clean stop, the two ways a run ends early
+(`TrainingInterrupted`, `TrainingDiverged`), the clock of training steps, the seconds of everything else a
+run does, the losses and tokens since the last log line, and metrics.jsonl cut back to a resumed step."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from ..errors import UserError
 from ..files.atomic import atomic_path
 
 
@@ -44,6 +45,28 @@ class InterruptRequest:
         if self._installed:
             previous = self._previous if self._previous is not None else signal.default_int_handler
             signal.signal(signal.SIGINT, previous)
+
+
+class TrainingDiverged(UserError):
+    """Raised by `Trainer.fit` when a step's loss or gradient norm is not finite: nothing after the
+    last finite step is saved, so last/ and best/ stay what they were."""
+
+    def __init__(self, step: int | None, saved: int | None):
+        when = f"at step {step}" if step is not None else "(on another rank)"
+        kept = (f"last/ holds step {saved}, the last one saved" if saved else "no checkpoint was saved")
+        super().__init__(f"training diverged {when}: the loss or the gradient norm is NaN or infinite; {kept}. "
+                         "Lower --lr, or raise --warmup-steps or --grad-clip, and train again")
+        self.step = step
+
+
+class TrainingInterrupted(Exception):
+    """Raised by `Trainer.fit` after Ctrl-C, once the current step finished and `last/` was saved."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        super().__init__(f"training interrupted at step {step}; checkpoint saved to {checkpoint} "
+                         "(continue with resume=True, or --resume on the command line)")
+        self.step = step
+        self.checkpoint = checkpoint
 
 
 class Stopwatch:

@@ -8,40 +8,47 @@ matrix products a training step:
     grad_weight   ∂L/∂W = Gᵀ x        (and ∂L/∂b = Σ_rows G, no product)
 
 torch's CPU build computes each on aten's kernel (MKL's gemm: what `F.linear` and autograd run) or on
-oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`). Which is faster depends on the CPU and the
-product: on a 2-core AMD EPYC with AVX-512 (Zen 4), oneDNN took 0.78-0.91x aten's time for the 6 x 384
-GPT's forward and input-gradient products, and 1.06-1.6x for the weight gradients (whose operands are
-transposed views) of every training shape measured; with AVX2 only, aten won nearly everything; with a few
-hundred rows or fewer, aten won everything by 1.1-8x (`benchmarks/matmul_kernels.py`, docs/experiments.md).
+oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`). Which is faster depends on the CPU, the
+product and the number of rows (figures in docs/guide.md, "Training on the CPU").
 
-So a float32 run times both kernels on the model's own layer shapes (`choose_kernels`, before the first
-step) and trains each product on oneDNN only where it measured at least MIN_SPEEDUP times aten's speed:
-near-ties stay on aten, so two runs of a recipe on one machine multiply alike. Products on oneDNN run
-through an autograd Function of ours, which costs 3-4% of a layer's step at a few hundred to 2,048 rows of
-width 128 (a Python call each way), so the products chosen must also make the layers' whole step (forward
-and backward, through that Function) MIN_STEP_SPEEDUP times as fast as F.linear's, or every product stays on
-aten: at nanogpt-cpu's shapes oneDNN's forward and input gradient, 1.06-1.13x faster alone, made the step
-0.92-0.94x as fast; at 6 x 384's, 1.26-1.41x faster alone, 1.08-1.20x. The choice goes into the
-checkpoint, and a resumed run takes it from there, so resuming stays bit-exact. The products differ from
+A float32 run in one CPU process times both kernels on the model's own layer shapes (`choose_kernels`) and
+trains each product on oneDNN only where it measured at least MIN_SPEEDUP times aten's speed, so that
+near-ties stay on aten and two runs of a recipe on one machine multiply alike; and only where the products
+chosen also make the layers' whole step (forward and backward, through the autograd Function of ours that
+runs them, a Python call each way) MIN_STEP_SPEEDUP times as fast as F.linear's. The products differ from
 aten's in summation order only (fp32: ~1e-6 relative).
+
+The choice is the run's, not the Trainer's: the command that trains decides it before the Trainer is built
+(`run_kernels`), applies it to the model for the run (`chosen_kernels`), and keeps it in the run
+directory (KERNELS_FILE, `keep_kernels`), where a resumed run takes it again (`kept_kernels`), so that
+resuming stays bit-exact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint.format import TRAINER_STATE, Checkpoint, CheckpointError
+from ..files.atomic import atomic_path
+from ..files.json_file import read_json
 from ..inference.layers import linear_layers
 from ..inference.timing import fastest
+from ..launch import current_launch
+from .config import TrainConfig
+from .precision import model_width, resolve_dtype
 
 PRODUCTS = ("forward", "grad_input", "grad_weight")
-#: product -> kernel of a run that multiplies as autograd does (and as checkpoints without a choice did).
+#: product -> kernel of a run that multiplies as autograd does (and as runs without a choice did).
 ATEN: dict[str, str] = dict.fromkeys(PRODUCTS, "aten")
 #: oneDNN takes a product where it measures at least this many times aten's speed ...
 MIN_SPEEDUP = 1.1
@@ -49,6 +56,8 @@ MIN_SPEEDUP = 1.1
 MIN_STEP_SPEEDUP = 1.03
 #: The products are timed on at most this many rows (GPT-2 small at 12 x 1024 tokens would take ~1 min).
 MAX_TIMED_ROWS = 2048
+#: The file of a run directory that keeps the kernels its linear layers train on (JSON: product -> kernel).
+KERNELS_FILE = "linear_kernels.json"
 
 Kernel = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 
@@ -101,9 +110,7 @@ def chosen_kernels(model: nn.Module, kernels: Mapping[str, str]) -> Iterator[nn.
     "onednn") inside the block, and `F.linear` again after. The layers stay the same objects, with their
     parameters and hooks: only their forward is set for the block (a subclass with a forward of its own,
     a LoRA layer, keeps it). All-aten changes nothing."""
-    if set(kernels) != set(PRODUCTS) or not set(kernels.values()) <= set(KERNELS):
-        raise ValueError(f"kernels must map each of {', '.join(PRODUCTS)} to one of {', '.join(KERNELS)}, "
-                         f"got {dict(kernels)}")
+    check_kernels(kernels)
     layers = [] if dict(kernels) == ATEN else [
         layer for _, layer in linear_layers(model)  # a layer registered at several places once
         if type(layer).forward is nn.Linear.forward and "forward" not in vars(layer)]
@@ -114,6 +121,15 @@ def chosen_kernels(model: nn.Module, kernels: Mapping[str, str]) -> Iterator[nn.
     finally:
         for layer in layers:
             del vars(layer)["forward"]
+
+
+def check_kernels(kernels: Any) -> None:
+    """A ValueError unless `kernels` maps each of PRODUCTS to the name of one of KERNELS."""
+    if not (isinstance(kernels, Mapping) and set(kernels) == set(PRODUCTS)
+            and all(isinstance(name, str) and name in KERNELS for name in kernels.values())):
+        got = dict(kernels) if isinstance(kernels, Mapping) else kernels
+        raise ValueError(f"kernels must map each of {', '.join(PRODUCTS)} to one of {', '.join(KERNELS)}, "
+                         f"got {got}")
 
 
 def _layer_forward(layer: nn.Linear, kernels: Mapping[str, str], x: Tensor) -> Tensor:
@@ -183,3 +199,60 @@ def describe(kernels: Mapping[str, str], speedups: Mapping[str, float] | None = 
                          + ("" if speedups is None else f" ({speedups[product]:.2f}x)") for product in PRODUCTS)
     step = (speedups or {}).get("step")
     return products if step is None else f"{products}; their layers' step {step:.2f}x"
+
+
+# ----------------------------------------------------------------------------- a run's choice
+
+
+def has_kernel_choice(model: nn.Module, config: TrainConfig) -> bool:
+    """Whether a run of `model` on `config` chooses its kernels: in float32 (`config.dtype` as it resolves
+    here, `precision.resolve_dtype`), in one CPU process (each process of a launch would measure its own,
+    and the replicas must multiply alike), eager (torch.compile generates its own kernels), with oneDNN in
+    this build of torch."""
+    weight = next(model.parameters())
+    return (weight.device.type == "cpu" and current_launch().world_size == 1 and not config.compile
+            and torch.backends.mkldnn.is_available() and all(p.dtype == torch.float32 for p in model.parameters())
+            and resolve_dtype(config.dtype, weight.device, model_width(model))[0] == "float32")
+
+
+def run_kernels(model: nn.Module, config: TrainConfig, source: Any, run_dir: Path, resume: Checkpoint | None = None
+                ) -> tuple[dict[str, str], str | None]:
+    """The kernels a run of `model` on `config` in `run_dir` trains on, before its first step -> (product ->
+    kernel, the line to log, if any): aten's where it has no choice (`has_kernel_choice`); a run resumed from
+    `resume` (its last/), those it kept (`kept_kernels`); a new run's measured here on as many rows as a batch
+    of `source` (the Trainer's `get_batch`) has tokens, drawn from the validation split, so that what the
+    steps draw stays theirs."""
+    if not has_kernel_choice(model, config):
+        return dict(ATEN), None
+    if resume is not None:
+        kept = kept_kernels(run_dir, resume)
+        return kept, f"linear kernels: {describe(kept)} (resumed)"
+    rows = next(iter(source.get_batch("val", 0, config.batch_size).values())).numel()
+    kernels, speedups = choose_kernels(model, rows)
+    return kernels, f"linear kernels: {describe(kernels, speedups)} (oneDNN's speed / aten's, measured)"
+
+
+def keep_kernels(run_dir: Path, kernels: Mapping[str, str]) -> None:
+    """Write the run's `kernels` to run_dir/KERNELS_FILE, where a resumed run finds them (`kept_kernels`)."""
+    with atomic_path(run_dir / KERNELS_FILE) as tmp:
+        tmp.write_text(json.dumps(dict(kernels)) + "\n", encoding="utf-8")
+
+
+def kept_kernels(run_dir: Path, checkpoint: Checkpoint) -> dict[str, str]:
+    """The kernels the run in `run_dir` trained on, for its resume from `checkpoint`: run_dir/KERNELS_FILE;
+    for a run begun before that file, the "linear_kernels" of `checkpoint`'s trainer state, where the
+    Trainer kept them then; aten's where neither holds any (a run begun before kernels were chosen). A
+    CheckpointError naming the file when the choice there is malformed."""
+    path = run_dir / KERNELS_FILE
+    if path.is_file():
+        kernels = read_json(path, error=CheckpointError)
+    else:
+        path = checkpoint.path / TRAINER_STATE
+        kernels = (checkpoint.trainer_state or {}).get("linear_kernels")
+        if kernels is None:
+            return dict(ATEN)
+    try:
+        check_kernels(kernels)
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    return dict(kernels)

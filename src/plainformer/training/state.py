@@ -14,7 +14,6 @@ from typing import Any
 from .. import _checks
 from ..checkpoint.format import TRAINER_STATE, Checkpoint, CheckpointError
 from ..config import Config
-from .kernels import KERNELS, PRODUCTS
 
 
 def _empty_log_window() -> dict[str, Any]:
@@ -30,9 +29,9 @@ class TrainerState(Config):
     the run, sessions before a resume included; world_size: processes that wrote it; evaluated_step:
     the step of the latest evaluation; log_window: the loss sum and number of the steps since the last
     log line, so that a resumed run logs the same mean; planned_steps: max_steps as fit_to_time planned
-    it; linear_kernels: the kernel each product of the linear layers trains on (product -> "aten" |
-    "onednn", `kernels.py`; None: aten's, as autograd multiplies). The fields with defaults are absent from
-    checkpoints of older plainformers.
+    it. The fields with defaults are absent from checkpoints of older plainformers; those of the
+    plainformers that chose the linear layers' kernels in the Trainer hold them as "linear_kernels", which
+    is no field: the run's kernels are its own (`kernels.kept_kernels` reads them).
     """
 
     step: int
@@ -45,7 +44,6 @@ class TrainerState(Config):
     evaluated_step: int | None = None
     log_window: dict[str, Any] = dataclasses.field(default_factory=_empty_log_window)
     planned_steps: int | None = None
-    linear_kernels: dict[str, str] | None = None
 
     @classmethod
     def fresh(cls) -> TrainerState:
@@ -59,8 +57,7 @@ class TrainerState(Config):
 
     def validate(self) -> None:
         """ValueError naming every malformed field: counts are ints >= 0, losses and elapsed_s numbers
-        (NaN and inf included), log_window {"loss_sum": number, "steps": count}, linear_kernels None or
-        {product: kernel name} for every product."""
+        (NaN and inf included), log_window {"loss_sum": number, "steps": count}."""
         window = self.log_window
         valid = {
             "step": _count(self.step), "data_position": _count(self.data_position),
@@ -71,15 +68,10 @@ class TrainerState(Config):
                for name in ("world_size", "evaluated_step", "planned_steps")},
             "log_window": isinstance(window, dict) and set(window) == {"loss_sum", "steps"}
                           and _checks.is_number(window["loss_sum"]) and _count(window["steps"]),
-            "linear_kernels": self.linear_kernels is None or (
-                isinstance(self.linear_kernels, dict) and set(self.linear_kernels) == set(PRODUCTS)
-                and all(kernel in KERNELS for kernel in self.linear_kernels.values())),
         }
         bad = [name for name, ok in valid.items() if not ok]
         if bad:
-            kernels = (f"; linear_kernels maps each of {', '.join(PRODUCTS)} to one of {', '.join(KERNELS)}"
-                       if "linear_kernels" in bad else "")
-            raise ValueError(f"{', '.join(bad)} malformed (expected counts >= 0 and numbers{kernels})")
+            raise ValueError(f"{', '.join(bad)} malformed (expected counts >= 0 and numbers)")
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint) -> TrainerState:

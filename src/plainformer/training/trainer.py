@@ -29,51 +29,29 @@ from tqdm import tqdm
 
 from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
-from ..errors import UserError
 from ..files.run_lock import run_lock
 from ..nn.attention import MultiHeadAttention
 from ..nn.dtypes import at_least_float32
 from ..nn.lora import adapter_state_names
 from ..nn.modes import eval_mode
-from .bookkeeping import InterruptRequest, LogWindow, Phases, Stopwatch, keep_metrics_until
+from .bookkeeping import (
+    InterruptRequest,
+    LogWindow,
+    Phases,
+    Stopwatch,
+    TrainingDiverged,
+    TrainingInterrupted,
+    keep_metrics_until,
+)
 from .config import TrainConfig
 from .distributed import Distributed, process_group
-from .kernels import ATEN, choose_kernels, chosen_kernels, describe
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .planner import StepPlanner
 from .plots import plot_loss_curve
-from .precision import (
-    bf16_measurement,
-    model_width,
-    resolve_dtype,
-    shared_bf16_speedup,
-    slow_bf16_warning,
-)
+from .precision import bf16_measurement, model_width, resolve_dtype, shared_bf16_speedup, slow_bf16_warning
 from .state import TrainerState
 from .tensorboard import tensorboard_log
-
-
-class TrainingDiverged(UserError):
-    """Raised by `Trainer.fit` when a step's loss or gradient norm is not finite: nothing after the
-    last finite step is saved, so last/ and best/ stay what they were."""
-
-    def __init__(self, step: int | None, saved: int | None):
-        when = f"at step {step}" if step is not None else "(on another rank)"
-        kept = (f"last/ holds step {saved}, the last one saved" if saved else "no checkpoint was saved")
-        super().__init__(f"training diverged {when}: the loss or the gradient norm is NaN or infinite; {kept}. "
-                         "Lower --lr, or raise --warmup-steps or --grad-clip, and train again")
-        self.step = step
-
-
-class TrainingInterrupted(Exception):
-    """Raised by `Trainer.fit` after Ctrl-C, once the current step finished and `last/` was saved."""
-
-    def __init__(self, step: int, checkpoint: Path):
-        super().__init__(f"training interrupted at step {step}; checkpoint saved to {checkpoint} "
-                         "(continue with resume=True, or --resume on the command line)")
-        self.step = step
-        self.checkpoint = checkpoint
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -102,9 +80,9 @@ class Trainer:
     checkpoints hold only what it trains (`nn.lora.adapter_state_names`), with `adapter` in config.json,
     and it resumes only from checkpoints of the same adapter.
 
-    A float32 run in one CPU process computes each product of the model's linear layers on the kernel
-    measured faster for it before the first step (aten's or oneDNN's, `kernels.py`), for the duration of
-    `fit`; the choice is kept in the checkpoints, and a resumed run takes it from there.
+    The model trains as it is handed over: tuning for this CPU is the caller's, decided before the
+    Trainer is built and kept with the run, as the families' `fit` does with the linear layers' kernels
+    (`kernels.py`: `run_kernels`, then `chosen_kernels` around the Trainer; `kept_kernels` on a resume).
 
     Launched by torchrun, the trainer joins the process group (unless the caller already did, with
     `distributed.process_group()`) and leaves it when `fit` returns or raises.
@@ -178,7 +156,6 @@ class Trainer:
         if resume is True:
             resume = load_checkpoint(self.out_dir / "last")
         self._resume_rng_from = self._restore(resume) if isinstance(resume, Checkpoint) else None
-        self._kernels_log = self._choose_kernels(resumed=self._resume_rng_from is not None)
 
     def _share_bf16_measurement(self, config: TrainConfig) -> None:
         """Under torchrun on a CPU without AMX, where a choice depends on how fast this CPU multiplies in
@@ -190,28 +167,6 @@ class Trainer:
         speedup = self.dist.from_main(lambda: bf16_measurement(self.device))
         if speedup is not None:
             self._group.enter_context(shared_bf16_speedup(speedup))
-
-    def _choose_kernels(self, *, resumed: bool) -> str | None:
-        """The kernels of the linear layers' products: aten's where there is no choice, a resumed run's
-        from its checkpoint (aten's if it has none), a new run's measured on this CPU (`kernels.py`)
-        -> the line to log, if any."""
-        if not self._has_kernel_choice():
-            self._linear_kernels = ATEN
-            return None
-        if resumed:
-            return f"linear kernels: {describe(self._linear_kernels)} (resumed)"
-        # a batch's tokens, from the validation split: what the steps draw stays theirs alone
-        rows = next(iter(self._batch("val", 0, self.config.batch_size).values())).numel()
-        self._linear_kernels, speedups = choose_kernels(self.model, rows)
-        return f"linear kernels: {describe(self._linear_kernels, speedups)} (oneDNN's speed / aten's, measured)"
-
-    def _has_kernel_choice(self) -> bool:
-        """Float32 on one CPU process (each process of a launch would measure its own, and the replicas
-        must multiply alike), eager (torch.compile generates its own kernels), with oneDNN in this build
-        of torch."""
-        return (self.device.type == "cpu" and self.config.dtype == "float32" and self.dist.world_size == 1
-                and not self.config.compile and torch.backends.mkldnn.is_available()
-                and all(p.dtype == torch.float32 for p in self.model.parameters()))
 
     @property
     def metrics_path(self) -> Path:
@@ -252,7 +207,6 @@ class Trainer:
         self._evaluated_step = state.evaluated_step
         self._unlogged = state.log_window  # the log window a resumed run continues
         self.planner.planned = state.planned_steps
-        self._linear_kernels = state.linear_kernels or ATEN
         if state.planned_steps is not None:
             self.config = self.config.replace(max_steps=state.planned_steps)
 
@@ -261,8 +215,7 @@ class Trainer:
         return TrainerState(step=self.step, data_position=self.data_position, best_val_loss=self.best_val_loss,
                             train_loss=self.train_loss, val_loss=self.val_loss, elapsed_s=self._elapsed(),
                             world_size=self.dist.world_size, evaluated_step=self._evaluated_step,
-                            log_window=self._window.state(), planned_steps=self.planner.planned,
-                            linear_kernels=self._linear_kernels)
+                            log_window=self._window.state(), planned_steps=self.planner.planned)
 
     def _start_rng(self) -> None:
         """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
@@ -354,17 +307,15 @@ class Trainer:
         with self._group, run_lock(self.out_dir) if self.dist.is_main else contextlib.nullcontext():
             if on_locked is not None and self.dist.is_main:
                 on_locked()
-            with chosen_kernels(self.model, self._linear_kernels):
-                return self._fit()
+            return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
         self._start_rng()
         if self.dist.is_main:
             print(f"dtype: {cfg.dtype} ({self._dtype_reason})", file=sys.stderr, flush=True)
-            for line in (self._dtype_warning, self._kernels_log):
-                if line is not None:
-                    print(line, file=sys.stderr, flush=True)
+            if self._dtype_warning is not None:
+                print(self._dtype_warning, file=sys.stderr, flush=True)
             keep_metrics_until(self.metrics_path, self.step)
         self.model.train()
         self._session_start = time.perf_counter()
