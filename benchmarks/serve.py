@@ -4,9 +4,11 @@ The model is GPT-2 124M's shape (HF's GPT-2 initialisation, seed 0, copied into 
 with a byte-level BPE trained on the bundled corpus, exported to a Hugging Face directory that both servers
 load. For 1, 4 and 16 concurrent clients (threads of the official `openai` client), each client streams
 `--requests` completions of `--max-tokens` greedy tokens after the same `--prompt`-token prompt; measured:
-aggregate completion tokens/s, time to first token and latency p50/p99. Each server runs alone (one at a time:
-2 cores), warmed up by one request first. Ratios are ours / peer tokens/s (higher is better) and ours / peer
-time (lower is better).
+aggregate completion tokens/s, time to first token and latency p50/p99. Our server runs this load without its
+prefix cache (`--prefix-cache-mb 0`): every client sends the same prompt, which a cache would serve but the
+last token of, so its TTFT would not be the prefill's. Each server runs alone (one at a time: 2 cores),
+warmed up by one request first. `--quantize int8` serves our weight-only int8 model (the peer stays fp32).
+Ratios are ours / peer tokens/s (higher is better) and ours / peer time (lower is better).
 
 A second load has the clients share a system prompt (`--shared-prefix` tokens of the corpus, then a
 `--prompt`-token part of each request's own): `--shared-clients` clients against our server with its prefix
@@ -15,7 +17,7 @@ prefix; measured: TTFT p50 and p99, and their ratio cached / uncached (target p5
 GPT-2's shape for a 2-layer one and a 512-token BPE (with the same context), for a smoke run in seconds.
 
     python benchmarks/serve.py [--clients 1 4 16] [--requests 2] [--max-tokens 64] [--prompt 32] [--no-peer]
-                               [--shared-prefix 512] [--shared-clients 16] [--tiny]
+                               [--shared-prefix 512] [--shared-clients 16] [--quantize int8] [--tiny]
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shared-prefix", type=int, default=512,
                         help="tokens of the system prompt each request of the shared load begins with (0: none)")
     parser.add_argument("--shared-clients", type=int, default=16, help="clients of the shared-prefix load")
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="serve our model quantized")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and a 512-token BPE: a smoke run")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -193,8 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         ids = own.encode(text[:200_000])
         prompt = own.decode(ids[:args.prompt])  # the corpus's first --prompt tokens
         serve = [sys.executable, "-m", "plainformer", "serve", "--ckpt", str(directory), "--port", "0",
-                 "--max-batch", "16"]
-        ours = measure("plainformer", serve, r"at (http://\S+/v1)", None, directory.name, prompt, args)
+                 "--max-batch", "16", *(["--quantize", args.quantize] if args.quantize else [])]
+        ours = measure("plainformer", [*serve, "--prefix-cache-mb", "0"], r"at (http://\S+/v1)", None, directory.name,
+                       prompt, args)
         shared: dict[str, dict[str, float]] = {}
         if args.shared_prefix:
             # each request's own part: the next --prompt tokens of the corpus after the prefix, one slice each
@@ -218,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                 peer_note = f"transformers serve did not run: {str(error).splitlines()[-1][:300]}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (OMP_NUM_THREADS={env_threads}), AMX: "
           f"{torch.cpu._is_amx_tile_supported()}, capability {torch.backends.cpu.get_cpu_capability()}; "
-          f"{'a 2-layer (--tiny)' if args.tiny else 'GPT-2 124M'} shape, vocab {own.vocab_size}, prompt {args.prompt} "
+          f"{'a 2-layer (--tiny)' if args.tiny else 'GPT-2 124M'} shape{', ours int8' if args.quantize else ''}, "
+          f"vocab {own.vocab_size}, prompt {args.prompt} "
           f"tokens, {args.max_tokens} greedy tokens, "
           f"{args.requests} requests per client; peer: {peer_note}")
     print(f"{'clients':>7} {'ours tok/s':>10} {'peer tok/s':>10} {'ratio':>6} {'ttft p50 ours/peer s':>21} "
