@@ -140,6 +140,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # The ninth round: the four that beat the default at 600 equal steps on both seeds (docs/experiments.md),
     # together, at equal wall time.
     "issue-49 winners": (dict(qk_norm=True, sliding_window=64, bigram_embedding=True, value_residual=True), {}),
+    # The tenth: the winners less QK-norm, whose step costs 1.3x the default's in bf16 (profile_step --variants)
+    # where the other three cost 0.97-1.04x: at their cost, equal steps are equal wall time within a few percent.
+    "issue-49 cheap winners": (dict(sliding_window=64, bigram_embedding=True, value_residual=True), {}),
     # modded-nanogpt's block as the issue lists it, all at once: a reference for the round that combines winners.
     "speedrun block": (dict(activation="relu2", d_ff=512, qk_norm=True, zero_init=True, tie_weights=False,
                             embed_norm=True, value_residual=True, x0_mix=True, logit_softcap=15.0), {}),
