@@ -39,10 +39,10 @@ from plainformer.cli import main
 from plainformer.data import lm
 from plainformer.data.corpus import load_split
 from plainformer.data.tokenizers import CharTokenizer
+from plainformer.families import memory_estimates as memory
 from plainformer.files.atomic import DiskFullError
 from plainformer.files.run_lock import RunDirectoryBusy, run_lock
 from plainformer.hf.bert import load_hf_bert_tokenizer, save_hf_bert
-from plainformer.models import memory
 
 TINY_GPT = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--d-ff", "32", "--block-size", "8",
             "--batch-size", "2", "--eval-batches", "1", "--eval-interval", "0", "--warmup-steps", "1",

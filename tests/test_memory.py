@@ -11,10 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import plainformer as pf
 from plainformer import memory
-from plainformer.models.memory import training_bytes
+from plainformer.families.memory_estimates import training_bytes
 from plainformer.training.config import TrainConfig
 from tests.reference.tiny_models import GPT_TINY
 
@@ -118,6 +119,14 @@ def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
     assert memory.available_memory() <= 10**6 + 4096
     with pytest.raises(ValueError, match="limit must be a positive integer, got 0"), memory.memory_limit(0):
         pass
+
+
+def test_a_cpu_device_has_the_memory_available_and_an_accelerator_its_free_memory(monkeypatch):
+    with memory.memory_limit(12345):
+        assert memory.device_available(torch.device("cpu")) == 12345
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (777, 10**9))  # (free, total), no GPU needed
+    with memory.memory_limit(12345):
+        assert memory.device_available(torch.device("cuda", 0)) == 777
 
 
 # ----------------------------------------------------------------------------- sizes

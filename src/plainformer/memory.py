@@ -2,12 +2,14 @@
 
 `available_memory` is the machine's MemAvailable (/proc/meminfo; else the free pages os.sysconf gives),
 lowered to what RLIMIT_AS leaves this process when it is set; within `memory_limit(bytes)` it is the
-limit given instead (the command line's --max-memory, for those who know better). `check_memory` refuses
+limit given instead (the command line's --max-memory, for those who know better); `device_available`, an
+accelerator's free memory, or that on the CPU. `check_memory` refuses
 an estimate (a model's bytes, a training run's, a decoding's) beyond it, naming the size that is to
 blame; `format_size` and `parse_size` write and read sizes (20.1 GB, 512MiB). `keep_freed_memory` asks
 the C library's malloc to keep what the process frees for its next allocations.
 
-What a model needs is estimated beside it: models/memory.py and each family's model module.
+What a model holds is counted by its class (models/saved.py); what it needs beyond that to train,
+evaluate or decode, each family's formula, is estimated in families/memory_estimates.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import re
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
+
+import torch
 
 from . import _checks
 
@@ -61,6 +65,11 @@ def memory_limit(limit: int | None) -> Iterator[None]:
         yield
     finally:
         _limit.reset(token)
+
+
+def device_available(device: torch.device) -> int:
+    """The bytes free on `device`: an accelerator's free memory (CUDA's), else `available_memory()`."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
 
 
 def _machine_available() -> int:

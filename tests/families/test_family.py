@@ -22,7 +22,6 @@ from plainformer.families.family import (
     FINE_TUNING_OPTIONS,
     Family,
     Run,
-    check_evaluation_memory,
     check_training_memory,
     checkpoint_dir,
     fit,
@@ -30,8 +29,8 @@ from plainformer.families.family import (
     refuse_non_model,
     run_and_checkpoint,
 )
+from plainformer.families.memory_estimates import check_evaluation_memory, held_bytes
 from plainformer.memory import MemoryBudgetError, memory_limit
-from plainformer.models.memory import held_bytes
 from plainformer.training import kernels
 from plainformer.training.config import TrainConfig
 from plainformer.training.kernels import KERNELS_FILE

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 import plainformer as pf
+from plainformer.families import memory_estimates
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
 from plainformer.inference.kernels import measure_kernels
@@ -463,8 +464,8 @@ def test_a_windowed_model_decodes_from_caches_of_its_window_and_counts_their_byt
         model(_tokens(2, 9), kv_caches=caches)
         model(_tokens(2, 1), kv_caches=caches)
     assert all(c.capacity == 5 and c.length == 10 and c.keys().shape == (2, 4, 5, 8) for c in caches)
-    full = pf.models.gpt.decoding_bytes(model.config.replace(sliding_window=None), 1, 4)
-    windowed = pf.models.gpt.decoding_bytes(model.config, 1, 4)
+    full = memory_estimates.decoding_bytes(model.config.replace(sliding_window=None), 1, 4)
+    windowed = memory_estimates.decoding_bytes(model.config, 1, 4)
     assert full - windowed == TINY["n_layers"] * 2 * TINY["d_model"] * (TINY["block_size"] - 5) * 4
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 import plainformer as pf
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint
-from plainformer.models import memory, saved
+from plainformer.families import memory_estimates as memory
+from plainformer.models import saved
 from plainformer.models.saved import SavedModel, block_matrices, check_stored_parameters, count, model_class
 from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
 

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..families.family import checkpoint_dir
-from ..families.gpt import check_decoding_memory, load_language_model
+from ..families.gpt import load_language_model
+from ..families.memory_estimates import check_decoding_memory
 from ..generation.decoding import generate_prompts, iter_generate
 from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings

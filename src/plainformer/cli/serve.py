@@ -22,7 +22,8 @@ from typing import Any
 
 from ..families.family import checkpoint_dir
 from ..families.finetuning import base_family
-from ..families.gpt import check_decoding_memory, load_language_model
+from ..families.gpt import load_language_model
+from ..families.memory_estimates import check_decoding_memory
 from ..generation.prefix_cache import default_capacity
 from ..hf.bert import MINILM_NAME
 from ..inference import for_decoding

@@ -26,8 +26,9 @@ from ..launch import log
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..training.config import TrainConfig
 from ..training.evaluation import accuracy, mean_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, checkpoint_dir, fit
+from .family import FINE_TUNING_OPTIONS, Family, Run, checkpoint_dir, fit
 from .finetuning import load_trained, starting_model
+from .memory_estimates import check_evaluation_memory
 
 
 def model_location(name: str) -> str | Path:

@@ -25,11 +25,11 @@ from ..files.json_file import read_json_object
 from ..hf.directory import is_hf_directory
 from ..launch import log
 from ..memory import check_memory
-from ..models.memory import context_length, forward_bytes, held_bytes, training_bytes
 from ..models.saved import SavedModel, check_stored_parameters
 from ..training.config import TrainConfig
 from ..training.kernels import chosen_kernels, keep_kernels, run_kernels
 from ..training.trainer import Trainer
+from .memory_estimates import context_length, held_bytes, training_bytes
 
 RECIPE_FILE = "recipe.yaml"
 #: The recipe options of LoRA, each the LoRAConfig field after "lora_".
@@ -201,7 +201,7 @@ def run_and_checkpoint(path: Path) -> tuple[Path, Path]:
 
 def check_training_memory(run: Run, train: TrainConfig | None = None, model: nn.Module | None = None) -> None:
     """A MemoryBudgetError when training `run` (with `train`, default the run's) would not fit the memory
-    available (`models.memory.training_bytes`): estimated from the run's model config before the data is
+    available (`memory_estimates.training_bytes`): estimated from the run's model config before the data is
     prepared, with the vocabulary its tokenizer is to be trained to where the data decides it, or from
     `model` once it is built (a fine-tuning run's comes from --init, a LoRA's trains only its adapter)."""
     train = train or run.train_config
@@ -241,15 +241,6 @@ def _before_the_data(run: Run, config: Config) -> Config:
         given = run.options.get("vocab_size") if trained and name == "vocab_size" else None
         setattr(config, name, given or 0)
     return config
-
-
-def check_evaluation_memory(model: SavedModel, rows: int, seq_len: int | None = None) -> None:
-    """A MemoryBudgetError when a forward pass over `rows` rows (--batch-size) of `seq_len` tokens (default:
-    the model's context) would not fit the memory available beside `model`, loaded already."""
-    held = held_bytes(model)
-    dtype = next(model.parameters()).dtype
-    check_memory(f"evaluating {rows} rows at once (--batch-size) needs ~{{needed}} for the model and a forward pass",
-                 lambda: held + forward_bytes(model.config, rows, seq_len, model.family, dtype), held=held)
 
 
 def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None,

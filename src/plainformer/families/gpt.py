@@ -24,13 +24,12 @@ from ..hf.directory import is_hf_directory
 from ..hf.gguf import save_gguf
 from ..inference.quantize import quantize
 from ..launch import log
-from ..memory import check_memory
-from ..models.gpt import GPT, GPTConfig, decoding_bytes
-from ..models.memory import held_bytes
+from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
 from ..training.evaluation import validation_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, check_evaluation_memory, fit, refuse_non_model
+from .family import FINE_TUNING_OPTIONS, Family, Run, fit, refuse_non_model
 from .finetuning import load_trained, starting_model
+from .memory_estimates import check_evaluation_memory
 
 DEFAULT_BPE_VOCAB = 2048
 
@@ -138,16 +137,6 @@ def load_language_model(path: Path, dtype: str = "float32", quantized: str | Non
         except ValueError as error:
             raise UserError(f"--quantize {quantized}: {error}") from None
     return (model.to(torch.bfloat16) if dtype == "bfloat16" else model), model.tokenizer
-
-
-def check_decoding_memory(model: GPT, rows: int, prompt_len: int, what: str) -> None:
-    """Refuse, before anything is drawn, decoding `rows` rows at once whose KV caches would not fit the
-    memory available with the model; `what` names the rows in the message ("sampling 4 row(s) at once")."""
-    held = held_bytes(model)
-    config = model.config
-    check_memory(f"{what} needs ~{{needed}} for the model and a KV cache of {config.block_size} positions per "
-                 "layer and row",
-                 lambda: held + decoding_bytes(config, rows, prompt_len, model.token_embedding.weight.dtype), held=held)
 
 
 def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]

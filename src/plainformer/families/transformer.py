@@ -17,11 +17,10 @@ from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
 from ..launch import log
-from ..memory import MemoryBudgetError, available_phrase, format_size
-from ..models.memory import held_bytes
-from ..models.transformer import Transformer, TransformerConfig, beam_search_bytes, largest_beam
+from ..models.transformer import Transformer, TransformerConfig
 from ..training.evaluation import score_translations
 from .family import Family, Run, fit
+from .memory_estimates import check_beam_memory
 
 LEGACY_TASK_FILE = "task.json"  # what run directories held before recipe.yaml
 
@@ -62,7 +61,7 @@ def check_beam(model: Transformer, beam: int, sources: Sequence[str], batch_size
     """Refuse a --beam the target vocabulary or the memory cannot hold, before decoding: beyond V
     hypotheses no two could differ; and `batch_size` sources of the longest length among `sources`
     at a time, with `beam` hypotheses each, must fit the memory available beside the model
-    (`models.memory.beam_search_bytes`)."""
+    (`memory_estimates.check_beam_memory`)."""
     vocab_size = model.config.tgt_vocab_size
     if beam > vocab_size:
         raise UserError(f"--beam {beam} is more than the {vocab_size} tokens of the target vocabulary: "
@@ -70,13 +69,7 @@ def check_beam(model: Transformer, beam: int, sources: Sequence[str], batch_size
     tokenizer = model.tokenizer  # without one, translate refuses: then the longest source max_len allows
     lengths = [len(tokenizer.encode(text)) for text in sources] if tokenizer is not None else [model.config.max_len]
     sentences, source_len = max(1, min(batch_size, len(sources))), max(1, *lengths)
-    held = held_bytes(model)
-    fits = largest_beam(model.config, sentences, source_len, held)
-    if beam > fits:
-        needed = held + beam_search_bytes(model.config, sentences, beam, source_len)
-        most = f"at most --beam {fits} fits" if fits else "not even --beam 1 fits"
-        raise MemoryBudgetError(f"--beam {beam} needs ~{format_size(needed)} to translate {sentences} sentence(s) "
-                                f"of up to {source_len} tokens at once, more than {available_phrase(held)}: {most}")
+    check_beam_memory(model, beam, sentences, source_len)
 
 
 # ----------------------------------------------------------------------------- eval

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..memory import available_memory
+from ..memory import device_available
 
 #: The default capacity: this fraction of the memory available once the model is loaded, at most MAX_DEFAULT.
 DEFAULT_FRACTION, MAX_DEFAULT = 1 / 8, 4 * 2**30
@@ -138,8 +138,4 @@ def _common_length(a: list[int], b: list[int]) -> int:
 def default_capacity(device: torch.device) -> int:
     """Bytes for a prefix cache on `device`: DEFAULT_FRACTION of its free memory (an accelerator's) or of the
     memory available (the CPU's), at most MAX_DEFAULT, at least 1."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_memory()
-    return max(1, min(int(free * DEFAULT_FRACTION), MAX_DEFAULT))
+    return max(1, min(int(device_available(device) * DEFAULT_FRACTION), MAX_DEFAULT))

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..data.tokenizers import Tokenizer
 from ..files.atomic import atomic_path
 from ..models.gpt import GPT, GPTConfig
-from ..models.memory import check_model_memory, parameter_count
+from ..models.saved import check_model_memory
 from .directory import HF_CONFIG, SAFETENSORS, check_hf_sizes, read_sharded_hf_weights, write_hf_config
 from .gpt_layouts import CONV1D, EMBEDDING, EXPERTS, GPT2, LAYOUTS, LINEAR, NORM, Layout, layout_for
 
@@ -213,7 +213,7 @@ def _check_weights_fit(directory: Path, config: GPTConfig, weights: Mapping[str,
     """Refuse, before building anything, a config.json describing far more parameters than the weights
     hold (num_hidden_layers: 100000 beside a small model's weights); a weight or two missing is named
     later, by `state_from_hf`."""
-    needed = parameter_count(config, "gpt")
+    needed = GPT.footprint(config).parameters
     stored = sum(t.numel() for t in weights.values())
     if needed > 2 * stored:
         raise ValueError(f"{directory / HF_CONFIG} describes a model of {needed:,} parameters but its weights "

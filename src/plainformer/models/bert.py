@@ -16,7 +16,6 @@ The config is checked when it is built; the modules built from it check nothing 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -34,10 +33,7 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
-from .activations import FLOAT32, layer_activations
 from .saved import SavedModel, unchecked
-
-MLM_SELECTED = 0.15  # the share of positions a masked LM scores (data/mlm.py)
 
 
 @dataclasses.dataclass
@@ -133,11 +129,6 @@ def _one_layer_deep(cls: type[SavedModel], config: BertConfig) -> tuple[BertConf
     return unchecked(config, n_layers=1), {"layers.0": config.n_layers}
 
 
-def _encoder_activations(config: BertConfig, batch_size: int, n: int) -> int:
-    """Elements the encoder keeps for a micro-batch: its layers', the embeddings' and the pooler's."""
-    return batch_size * n * (config.n_layers * layer_activations(config, n) + 3 * config.d_model)
-
-
 def bert_layer(config: BertConfig) -> EncoderLayer:
     """BERT's layer, as its config says: the post-LN `EncoderLayer` with its own attention dropout."""
     return EncoderLayer(config.d_model, config.n_heads, config.d_ff, dropout=config.dropout,
@@ -165,10 +156,6 @@ class BertModel(SavedModel):
         self.layers = nn.ModuleList(bert_layer(config) for _ in range(config.n_layers))
         self.pooler = BertPooler(config.d_model)
         self.apply(lambda module: init_bert_weights(module, config.init_std))
-
-    @classmethod
-    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
-        return FLOAT32 * _encoder_activations(config, batch_size, n)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> BertOutput:
@@ -243,18 +230,6 @@ class BertForMaskedLM(SavedModel):
         self.head = BertMLMHead(config)
         self.head.apply(lambda module: init_bert_weights(module, config.init_std))
 
-    @classmethod
-    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
-        """The encoder's, and the head's over the 15% of positions selected: its input, hidden state and
-        norm, the logits, their log-softmax and their gradient."""
-        selected = math.ceil(MLM_SELECTED * batch_size * n)
-        return FLOAT32 * (_encoder_activations(config, batch_size, n)
-                          + selected * (3 * config.d_model + 3 * config.vocab_size))
-
-    @classmethod
-    def output_vocab(cls, config: BertConfig) -> int:
-        return config.vocab_size
-
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -289,12 +264,6 @@ class BertForSequenceClassification(SavedModel):
         self.dropout = nn.Dropout(config.dropout)
         self.classifier = nn.Linear(config.d_model, config.n_labels)
         init_bert_weights(self.classifier, config.init_std)
-
-    @classmethod
-    def activation_bytes(cls, config: BertConfig, batch_size: int, n: int) -> int:
-        """The encoder's, and the classifier's over the pooled rows."""
-        return FLOAT32 * (_encoder_activations(config, batch_size, n)
-                          + batch_size * (2 * config.d_model + 3 * config.n_labels))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None,

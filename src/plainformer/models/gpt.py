@@ -60,9 +60,7 @@ from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEnco
 from ..nn.previous_token import BigramEmbedding, TokenShift, previous_tokens
 from ..nn.rope import RotaryEmbedding, Rotation
 from ..nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
-from .activations import FLOAT32, forward_pass, hidden, kv_width, layer_activations
-from .activations import dropout as dropout_bytes
-from .saved import SavedModel, itemsize, unchecked
+from .saved import SavedModel, unchecked
 
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 
@@ -235,35 +233,6 @@ def moe_layer_count(config: GPTConfig) -> int:
     return -(-(config.n_layers - config.first_dense_layers) // config.moe_every)
 
 
-def _moe_activations(c: GPTConfig, keys: int) -> int:
-    """Elements kept per token by a MoE layer: a dense layer's, but top_k experts' inputs, hidden states
-    and outputs for the FFN's, and the router's logits (models/activations.py)."""
-    shared = c.n_shared_experts * c.d_ff
-    experts = c.top_k * (2 * c.d_model + hidden("swiglu", c.d_ff)) + hidden("swiglu", shared)
-    return (layer_activations(c, keys) - hidden(c.activation, c.d_ff) - dropout_bytes(c, c.d_ff) + experts
-            + dropout_bytes(c, shared) + 2 * c.n_experts)
-
-
-def _variant_activations(c: GPTConfig) -> int:
-    """Elements kept per token by the variants that are on (as measured): tanh's output for logit_softcap;
-    the input of embed_norm; E[x_{t−1}] for token_shift; each block's input before x0_mix; each later
-    layer's own values beside the mixed ones (which attention keeps instead) for value_residual. A bigram
-    embedding keeps its indices and mask only."""
-    return ((c.vocab_size if c.logit_softcap is not None else 0)
-            + c.d_model * (c.embed_norm + c.token_shift + c.n_layers * c.x0_mix)
-            + (c.n_layers - 1) * kv_width(c) * c.value_residual)
-
-
-def decoding_bytes(config: GPTConfig, rows: int, prompt_len: int, dtype: torch.dtype = torch.float32) -> int:
-    """The bytes beyond the model's own of sampling `rows` rows from a GPT in `dtype` at once: a KV cache
-    of block_size positions (at most sliding_window) per layer and row, the prompt's forward pass (the
-    logits of its last position only) and the float32 logits of each step."""
-    c, size = config, itemsize(dtype)
-    caches = c.n_layers * 2 * kv_width(c) * min(c.block_size, c.sliding_window or c.block_size) * size
-    prompt = forward_pass(c, 1, min(prompt_len, c.block_size), size, 0)
-    return rows * (caches + prompt + FLOAT32 * 3 * c.vocab_size)
-
-
 class GPT(SavedModel):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
@@ -315,17 +284,6 @@ class GPT(SavedModel):
         moe_every = 2 if kinds[first_moe:] in ([True, False], [True, False, True]) else 1
         return (unchecked(config, n_layers=len(kinds), first_dense_layers=first_moe, moe_every=moe_every),
                 {f"blocks.{i}": count for i, count in enumerate(counts)})
-
-    @classmethod
-    def activation_bytes(cls, config: GPTConfig, batch_size: int, n: int) -> int:
-        c, moe = config, moe_layer_count(config)
-        per_token = ((c.n_layers - moe) * layer_activations(c, n) + moe * _moe_activations(c, n)
-                     + 3 * c.d_model + 3 * c.vocab_size + _variant_activations(c))
-        return FLOAT32 * batch_size * n * per_token
-
-    @classmethod
-    def output_vocab(cls, config: GPTConfig) -> int:
-        return config.vocab_size
 
     @staticmethod
     def _make_position_encoding(config: GPTConfig) -> nn.Module | None:

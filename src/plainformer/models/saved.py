@@ -16,7 +16,10 @@
   checked against the family the checkpoint names and, before anything is built, against the number
   of values its weights file holds.
 
-Every class that names a `family` is found by it (`model_class`): a new family adds no line here.
+Every class that names a `family` is found by it (`model_class`): a new family adds no line here. What a
+model keeps while it runs (activations, caches) is estimated above the models, in
+families/memory_estimates.py; what it holds is counted here, because the constructor refuses a model too
+large before it builds it.
 """
 
 from __future__ import annotations
@@ -134,9 +137,7 @@ class SavedModel(nn.Module):
         super().__init__()
         if not _counting.get():  # `footprint`'s own build, of a config checked by the constructor that asked
             _checks.check_type("config", config, self.config_class)
-            if torch.get_default_device().type != "meta":
-                check_memory("the model needs ~{needed} for its parameters and buffers", type(self).model_bytes,
-                             config)
+            _check_fits(type(self), config)
         self.config = config
         self.tokenizer = None
 
@@ -178,17 +179,6 @@ class SavedModel(nn.Module):
         return f.parameters * itemsize(dtype) + f.buffer_bytes + f.tensors * TENSOR_OVERHEAD
 
     @classmethod
-    def activation_bytes(cls, config: Any, batch_size: int, n: int) -> int:
-        """The bytes autograd keeps for one training micro-batch of `batch_size` rows of `n` tokens, in
-        float32 (models/activations.py)."""
-        raise NotImplementedError(f"{cls.__name__} does not estimate its activations")
-
-    @classmethod
-    def output_vocab(cls, config: Any) -> int:
-        """The width of the logits the model scores every position with (0: a pooled head, or none)."""
-        return 0
-
-    @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> Self:
         """A trained model from a checkpoint directory, in eval mode, with the saved tokenizer (if any)
         as `.tokenizer`."""
@@ -207,6 +197,17 @@ class SavedModel(nn.Module):
         model.to(map_location)
         model.tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
         return model.eval()
+
+
+def check_model_memory(config: Any, family: str | None = None) -> None:
+    """A MemoryBudgetError when the model of `config` would not fit the memory available: what the
+    constructors (and a reader of a config.json, before the weights) call before they build anything."""
+    _check_fits(model_class(config, family), config)
+
+
+def _check_fits(cls: type[SavedModel], config: Any) -> None:
+    if torch.get_default_device().type != "meta":  # on the meta device nothing is allocated
+        check_memory("the model needs ~{needed} for its parameters and buffers", cls.model_bytes, config)
 
 
 def check_stored_parameters(checkpoint: Checkpoint, config: Config) -> None:

@@ -32,14 +32,12 @@ from ..config import Config, checked, one_of, positive_int, probability
 from ..generation.adapters import SourceBoundDecoder
 from ..generation.beam_search import beam_search
 from ..generation.decoding import generate as generate_tokens
-from ..memory import available_memory
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
 from ..nn.positional import check_even_d_model
-from .activations import FLOAT32, cross_activations, forward_pass, kv_width, layer_activations
 from .saved import SavedModel, unchecked
 
 EXTRA_OUTPUT_TOKENS = 50  # translating stops here past the source length (Vaswani et al., section 6.1)
@@ -154,19 +152,6 @@ class Transformer(SavedModel):
         return (unchecked(config, n_encoder_layers=1, n_decoder_layers=1),
                 {"encoder.layers.0": config.encoder_layers, "decoder.layers.0": config.decoder_layers})
 
-    @classmethod
-    def activation_bytes(cls, config: TransformerConfig, batch_size: int, n: int) -> int:
-        """Sources and targets of n tokens; a decoder layer adds its cross-attention and its keys and values
-        over the source, 2 d_kv per source token, as many as there are target tokens."""
-        c = config
-        encoder = c.encoder_layers * layer_activations(c, n)
-        decoder = c.decoder_layers * (layer_activations(c, n) + cross_activations(c, n) + 2 * kv_width(c))
-        return FLOAT32 * batch_size * n * (encoder + decoder + 4 * c.d_model + 3 * c.tgt_vocab_size)
-
-    @classmethod
-    def output_vocab(cls, config: TransformerConfig) -> int:
-        return config.tgt_vocab_size
-
     def _init_weights(self) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -272,25 +257,3 @@ class Transformer(SavedModel):
                                                    length_penalty=length_penalty), strict=True):
                 translations[i] = tokenizer.decode(row[1:])
         return translations
-
-
-
-def beam_search_bytes(config: TransformerConfig, sentences: int, beam_size: int, source_len: int) -> int:
-    """The bytes beyond the model's own of translating `sentences` sources of up to `source_len` tokens at
-    once with `beam_size` hypotheses each: the encoder's pass, and per hypothesis the self-attention
-    caches of every decoder layer (min(source_len + 50, max_len) positions), the cross-attention keys
-    and values and the memory over the source, the scores of each step and the tokens."""
-    c = config
-    steps = min(source_len + EXTRA_OUTPUT_TOKENS, c.max_len)
-    per_row = (FLOAT32 * (c.decoder_layers * 2 * kv_width(c) * (steps + source_len) + source_len * c.d_model
-                          + 3 * c.tgt_vocab_size) + 8 * steps)
-    return forward_pass(c, sentences, source_len, FLOAT32, 0) + sentences * beam_size * per_row
-
-
-def largest_beam(config: TransformerConfig, sentences: int, source_len: int, held: int = 0) -> int:
-    """The largest beam that fits the memory available for `sentences` sources at once (0 when not even
-    one does), at most the target vocabulary; `held`: the bytes of the model, loaded already."""
-    encoder = beam_search_bytes(config, sentences, 0, source_len)
-    per_beam = beam_search_bytes(config, sentences, 1, source_len) - encoder
-    room = available_memory(held) - held - encoder
-    return max(0, min(config.tgt_vocab_size, room // per_beam))

@@ -5,7 +5,7 @@ and /tokenize and /detokenize from its tokenizer.
 Each prompt of a request is one job of `n` rows. Row j of prompt i draws with seed + i·n + j when a
 seed is given: the row `plainformer sample --seed SEED --num-samples n` draws for that prompt, and the
 same row alone draws the same tokens. A job's prompt plus max_tokens must fit the model's context, and
-its prompt's forward pass the memory available (`models.memory`); else a 400 names the field. So must
+its prompt's forward pass the memory available (`families.memory_estimates`); else a 400 names the field. So must
 the response: its tokens, counting each echoed prompt token and each logprob alternative as one, at
 most max_response_tokens (what bounds the time and memory its JSON takes).
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import _checks
 from ..data.tokenizers import Tokenizer
+from ..families.memory_estimates import forward_bytes
 from ..generation.batching import (
     Cancelled,
     ContinuousBatcher,
@@ -35,7 +36,6 @@ from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings
 from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
-from ..models.memory import forward_bytes
 from .choices import Choice
 from .embeddings import Embedder
 from .protocol import SHUTTING_DOWN, APIError, Decoding, EmbeddingRequest, TokenizeRequest
