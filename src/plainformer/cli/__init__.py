@@ -115,7 +115,7 @@ memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", lambda v: v 
 
 def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:
     """--max-memory SIZE: the bytes the command may use, in place of the machine's available memory
-    (models/memory.py), which every size is checked against before memory is spent."""
+    (families/memory_estimates.py), which every size is checked against before memory is spent."""
     parser.add_argument("--max-memory", type=memory_size, metavar="SIZE", help=(
         "the memory this command may use, e.g. 64GB or 512MiB, in place of what the machine has available "
         "(RAM, and RLIMIT_AS when set): a model, a batch or a beam whose estimate exceeds it is refused "
