@@ -21,14 +21,13 @@ from .. import _checks
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
-SEED_RANGE = 2**64
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def derived_seed(seed: int, offset: int) -> int:
     """The seed of row `offset` of a batch seeded with `seed`: seed + offset, wrapped into [0, 2**64), so
     that seed 2**64 - 1 with two samples gives 2**64 - 1 and 0 rather than an overflow."""
-    return (seed + offset) % SEED_RANGE
+    return (seed + offset) % _checks.SEED_RANGE
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
