@@ -7,6 +7,8 @@ import math
 import pytest
 
 from plainformer import _checks, cli
+from plainformer.nn.lora import LoRAConfig
+from plainformer.training.config import TrainConfig
 
 NAN, INF = math.nan, math.inf
 
@@ -60,3 +62,13 @@ def test_the_config_checks_refuse_what_the_ranges_refuse():
     with pytest.raises(ValueError, match=r"k must be an int >= 0, got -1"):
         _checks.check_non_negative_int("k", -1)
     assert _checks.check_probability("dropout", 0) == 0.0
+
+
+def test_a_config_fields_flag_takes_the_range_declared_with_the_field():
+    assert cli.ranged_field_type(LoRAConfig, "r") is cli.positive_int
+    assert cli.ranged_field_type(LoRAConfig, "alpha") is cli.positive_number
+    assert cli.ranged_field_type(LoRAConfig, "dropout") is cli.probability
+    assert cli.ranged_field_type(TrainConfig, "min_lr") is cli.non_negative_number
+    with pytest.raises(ValueError, match="dropout"):
+        LoRAConfig(dropout=1.0)
+    assert not _parses(cli.ranged_field_type(LoRAConfig, "dropout"), "1.0")

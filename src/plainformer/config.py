@@ -153,6 +153,11 @@ def _field_checks(cls: type) -> tuple[tuple[str, tuple[type, bool] | None, tuple
     return tuple(fields)
 
 
+def field_checks(cls: type, name: str) -> tuple[Check, ...]:
+    """The checks declared with field `name` of the config class `cls` (`positive_int(8)`'s, say)."""
+    return next(checks for field, _, checks in _field_checks(cls) if field == name)
+
+
 def check_field_type(name: str, value: Any, kind: type, optional: bool = False) -> None:
     """TypeError/ValueError unless `value` is a `kind` (bool, int, float, str; a float finite)."""
     if value is None and optional:

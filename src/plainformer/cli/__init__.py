@@ -31,7 +31,7 @@ import torch
 
 from .. import _checks, families
 from .._version import __version__
-from ..config import Config
+from ..config import Config, field_checks
 from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
 from ..launch import is_main_process, launch_from_env, log
@@ -110,6 +110,19 @@ probability = _checked(float, "a number in [0, 1)", _checks.is_probability)
 fraction = _checked(float, "a number in (0, 1)", _checks.is_fraction)
 mass = _checked(float, "a probability in (0, 1]", _checks.is_mass)
 memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", _checks.is_positive_int)
+
+
+#: The argument type of a config field declared with each of `_checks`' checks: the flag refuses, as
+#: argparse's one-line error, what the field would.
+_RANGE_TYPES: dict[Callable[..., object], Callable[[str], Any]] = {
+    _checks.check_positive_int: positive_int, _checks.check_non_negative_int: non_negative_int,
+    _checks.check_positive_number: positive_number, _checks.check_non_negative_number: non_negative_number,
+    _checks.check_probability: probability}
+
+
+def ranged_field_type(config_cls: type[Config], name: str) -> Callable[[str], Any]:
+    """The argparse type of field `name` of `config_cls`: that of its declared range (`_RANGE_TYPES`)."""
+    return next(_RANGE_TYPES[check] for check in field_checks(config_cls, name) if check in _RANGE_TYPES)
 
 
 def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:

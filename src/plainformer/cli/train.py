@@ -41,7 +41,7 @@ from ..families.resolve import (
     resolve_run,
 )
 from ..launch import process_seconds
-from ..nn.lora import TARGETS
+from ..nn.lora import TARGETS, LoRAConfig
 from ..training.config import TrainConfig
 from . import (
     UserError,
@@ -50,13 +50,12 @@ from . import (
     config_file,
     field_type,
     positive_int,
-    positive_number,
-    probability,
+    ranged_field_type,
     set_threads,
 )
 
 # The flags of the data and run options (families/resolve.py's RECIPE_OPTIONS, which the families' `options`
-# name): argparse keywords, in the order of the help.
+# name): argparse keywords, in the order of the help; the LoRA flags take LoRAConfig's ranges.
 _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "data": dict(metavar="DATA", help=(
         "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
@@ -75,11 +74,12 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "init": dict(metavar="MODEL", help=(
         "the model to fine-tune: a plainformer checkpoint or run directory (e.g. runs/default), a Hugging "
         "Face GPT-2, Llama or BERT directory, or minilm")),
-    "lora_r": dict(type=positive_int, metavar="R", help=(
+    "lora_r": dict(type=ranged_field_type(LoRAConfig, "r"), metavar="R", help=(
         "train a rank-R LoRA adapter (the run keeps it and a reference to --init), not every weight")),
-    "lora_alpha": dict(type=positive_number, metavar="ALPHA", help="LoRA's α: the update is scaled by α / r "
-                                                                  "(default: 16)"),
-    "lora_dropout": dict(type=probability, metavar="P", help="dropout on the input of LoRA's A (default: 0)"),
+    "lora_alpha": dict(type=ranged_field_type(LoRAConfig, "alpha"), metavar="ALPHA",
+                       help="LoRA's α: the update is scaled by α / r (default: 16)"),
+    "lora_dropout": dict(type=ranged_field_type(LoRAConfig, "dropout"), metavar="P",
+                         help="dropout on the input of LoRA's A (default: 0)"),
     "lora_targets": dict(metavar="NAMES", help=(
         f"the layers LoRA adapts, comma-separated, of {','.join(TARGETS)} (default: W_q,W_v)")),
     "plays": dict(nargs="+", metavar="TITLE",
