@@ -31,11 +31,11 @@ def derived_seed(seed: int, offset: int) -> int:
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not (_checks.is_number(temperature) and 0 <= temperature < math.inf):
+    if not _checks.is_non_negative_number(temperature):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy) and finite, got {temperature!r}")
     if top_k is not None:
         _checks.check_positive_int("top_k", top_k)
-    if top_p is not None and not (_checks.is_number(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not _checks.is_mass(top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
