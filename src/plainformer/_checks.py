@@ -3,6 +3,22 @@
 Every public function validates its inputs once, here, so that a user sees a `ValueError` or
 `TypeError` naming the argument, what was received and what was expected, instead of a crash deep
 inside torch. Nothing in this module knows about the Transformer; it only phrases errors.
+
+It also holds the one vocabulary of ranges, each name one interval wherever it is used: the configs'
+fields (config.py), the command line's argument types (cli/__init__.py) and the server's request fields
+(serve/protocol.py) test a value with these predicates, and each phrases its own error (a ValueError, an
+argparse error, an OpenAI 400 naming the field):
+
+    is_positive_int          an int >= 1
+    is_non_negative_int      an int >= 0
+    is_seed                  an int in [0, 2**64)
+    is_positive_number       a finite number > 0
+    is_non_negative_number   a finite number >= 0
+    is_probability           a number in [0, 1)   (a dropout rate, Adam's beta)
+    is_fraction              a number in (0, 1)   (a held-out share of the data)
+    is_mass                  a number in (0, 1]   (top-p's nucleus)
+
+An int is no bool, and a number is an int or a float, no bool, here.
 """
 
 from __future__ import annotations
@@ -28,6 +44,50 @@ def is_number(value: object) -> TypeIs[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_finite_number(value: object) -> TypeIs[int | float]:
+    """A number that is neither infinite nor nan."""
+    return is_number(value) and math.isfinite(value)
+
+
+#: The seeds of random generators: 64-bit unsigned integers.
+SEED_RANGE = 2**64
+
+
+def is_positive_int(value: object) -> TypeIs[int]:
+    return is_int(value) and value >= 1
+
+
+def is_non_negative_int(value: object) -> TypeIs[int]:
+    return is_int(value) and value >= 0
+
+
+def is_seed(value: object) -> TypeIs[int]:
+    return is_int(value) and 0 <= value < SEED_RANGE
+
+
+def is_positive_number(value: object) -> TypeIs[int | float]:
+    return is_number(value) and 0 < value < math.inf
+
+
+def is_non_negative_number(value: object) -> TypeIs[int | float]:
+    return is_number(value) and 0 <= value < math.inf
+
+
+def is_probability(value: object) -> TypeIs[int | float]:
+    """In [0, 1)."""
+    return is_number(value) and 0 <= value < 1
+
+
+def is_fraction(value: object) -> TypeIs[int | float]:
+    """In (0, 1)."""
+    return is_number(value) and 0 < value < 1
+
+
+def is_mass(value: object) -> TypeIs[int | float]:
+    """In (0, 1]."""
+    return is_number(value) and 0 < value <= 1
+
+
 def check_int(name: str, value: object) -> int:
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -36,14 +96,14 @@ def check_int(name: str, value: object) -> int:
 
 def check_positive_int(name: str, value: object) -> int:
     number = check_int(name, value)
-    if number <= 0:
+    if not is_positive_int(number):
         raise ValueError(f"{name} must be a positive integer, got {number}")
     return number
 
 
 def check_non_negative_int(name: str, value: object) -> int:
     """A count or an index, >= 0; anything else, a float or a bool too, is a ValueError."""
-    if not is_int(value) or value < 0:
+    if not is_non_negative_int(value):
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
 
@@ -51,7 +111,7 @@ def check_non_negative_int(name: str, value: object) -> int:
 def check_probability(name: str, value: float) -> float:
     if not is_number(value):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not 0.0 <= value < 1.0:
+    if not is_probability(value):
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     return float(value)
 
@@ -59,7 +119,7 @@ def check_probability(name: str, value: float) -> float:
 def check_positive_number(name: str, value: object) -> float:
     if not is_number(value):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not 0 < value < math.inf:
+    if not is_positive_number(value):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -67,7 +127,7 @@ def check_positive_number(name: str, value: object) -> float:
 def check_non_negative_number(name: str, value: object) -> float:
     if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not 0 <= value < math.inf:
+    if not is_non_negative_number(value):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 

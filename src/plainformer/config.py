@@ -7,7 +7,10 @@ checked as soon as it is built, that round-trips through JSON, and that offers n
     n_layers: int = positive_int(6)
     dropout: float = probability(0.0)
     norm: str = one_of("layernorm", NORMS)
-    capacity_factor: float | None = positive(None)        # None skips the check
+    capacity_factor: float | None = positive_number(None)  # None skips the check
+
+The constraints are named as `_checks`' ranges, which the command line and the server use too
+(`probability`: [0, 1); `positive_int`: an int >= 1; `positive_number`: a finite number > 0).
 
 `Config` checks every field against its annotation first (bool, int, float, str, or None where the
 annotation allows it; floats finite), so that a value of the wrong type, read from a file say, is
@@ -49,18 +52,18 @@ def non_negative_int(default: T) -> T:
     return checked(default, _checks.check_non_negative_int)
 
 
-def positive(default: T) -> T:
+def positive_number(default: T) -> T:
     """A finite number > 0."""
     return checked(default, _checks.check_positive_number)
 
 
-def non_negative(default: T) -> T:
+def non_negative_number(default: T) -> T:
     """A finite number >= 0."""
     return checked(default, _checks.check_non_negative_number)
 
 
 def probability(default: T) -> T:
-    """A number in [0, 1) (a dropout rate, Adam's beta)."""
+    """A number in [0, 1) (a dropout rate, Adam's beta): `_checks.is_probability`."""
     return checked(default, _checks.check_probability)
 
 
@@ -148,6 +151,11 @@ def _field_checks(cls: type) -> tuple[tuple[str, tuple[type, bool] | None, tuple
         kind = (scalar[0], type(None) in kinds) if len(scalar) == 1 and scalar[0] in _EXPECTED else None
         fields.append((field.name, kind, tuple(field.metadata.get(_CHECKS, ()))))
     return tuple(fields)
+
+
+def field_checks(cls: type, name: str) -> tuple[Check, ...]:
+    """The checks declared with field `name` of the config class `cls` (`positive_int(8)`'s, say)."""
+    return next(checks for field, _, checks in _field_checks(cls) if field == name)
 
 
 def check_field_type(name: str, value: Any, kind: type, optional: bool = False) -> None:

@@ -19,7 +19,6 @@ import atexit
 import dataclasses
 import importlib
 import json
-import math
 import os
 import sys
 import threading
@@ -32,10 +31,9 @@ import torch
 
 from .. import _checks, families
 from .._version import __version__
-from ..config import Config
+from ..config import Config, field_checks
 from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
-from ..generation.sampling import SEED_RANGE
 from ..launch import is_main_process, launch_from_env, log
 from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
 from ..models.saved import SavedModel
@@ -88,29 +86,43 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _checked(kind: Callable[[str], Any], expected: str, accept: Callable[[Any], bool]) -> Callable[[str], Any]:
-    """An argparse type: a `kind` parsed from the text, finite (nan and inf parse as floats), and
-    accepted by `accept`; otherwise argparse's one-line error naming the option."""
+    """An argparse type: a `kind` parsed from the text and accepted by `accept` (one of `_checks`' ranges,
+    which refuse nan and inf); otherwise argparse's one-line error naming the option."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or (kind is float and not math.isfinite(value)) or not accept(value):
+        if value is None or not accept(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
     return parse
 
 
-positive_int = _checked(int, "a positive integer", lambda v: v >= 1)
-non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
-seed_int = _checked(int, "a seed, an integer in [0, 2**64)", lambda v: 0 <= v < SEED_RANGE)
-non_negative_float = _checked(float, "a finite number >= 0", lambda v: v >= 0)
-positive_float = _checked(float, "a finite number > 0", lambda v: v > 0)
-rate = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
-fraction = _checked(float, "a number in (0, 1)", lambda v: 0 < v < 1)
-probability = _checked(float, "a probability in (0, 1]", lambda v: 0 < v <= 1)
-memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", lambda v: v >= 1)
+# The argument types, named as `_checks`' ranges.
+positive_int = _checked(int, "a positive integer", _checks.is_positive_int)
+non_negative_int = _checked(int, "an integer >= 0", _checks.is_non_negative_int)
+seed_int = _checked(int, "a seed, an integer in [0, 2**64)", _checks.is_seed)
+non_negative_number = _checked(float, "a finite number >= 0", _checks.is_non_negative_number)
+positive_number = _checked(float, "a finite number > 0", _checks.is_positive_number)
+probability = _checked(float, "a number in [0, 1)", _checks.is_probability)
+fraction = _checked(float, "a number in (0, 1)", _checks.is_fraction)
+mass = _checked(float, "a probability in (0, 1]", _checks.is_mass)
+memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", _checks.is_positive_int)
+
+
+#: The argument type of a config field declared with each of `_checks`' checks: the flag refuses, as
+#: argparse's one-line error, what the field would.
+_RANGE_TYPES: dict[Callable[..., object], Callable[[str], Any]] = {
+    _checks.check_positive_int: positive_int, _checks.check_non_negative_int: non_negative_int,
+    _checks.check_positive_number: positive_number, _checks.check_non_negative_number: non_negative_number,
+    _checks.check_probability: probability}
+
+
+def ranged_field_type(config_cls: type[Config], name: str) -> Callable[[str], Any]:
+    """The argparse type of field `name` of `config_cls`: that of its declared range (`_RANGE_TYPES`)."""
+    return next(_RANGE_TYPES[check] for check in field_checks(config_cls, name) if check in _RANGE_TYPES)
 
 
 def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from . import (
     UserError,
     add_max_memory_argument,
     add_threads_argument,
-    non_negative_float,
+    non_negative_number,
     positive_int,
     set_threads,
 )
@@ -50,7 +50,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     gpt.add_argument("--quantize", choices=("int8",), help=f"{QUANTIZE_HELP} [gpt]")
     seq2seq = parser.add_argument_group(f"encoder-decoder [{', '.join(flag_families('beam'))}]")
     seq2seq.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy (default: 1)")
-    seq2seq.add_argument("--length-penalty", type=non_negative_float, default=None, help="α (default: 0.6)")
+    seq2seq.add_argument("--length-penalty", type=non_negative_number, default=None, help="α (default: 0.6)")
     seq2seq.add_argument("--task", choices=list(TASKS), help="default: the run's recipe.yaml")
     seq2seq.add_argument("--split", choices=("test", "val"), help="default: test")
     parser.set_defaults(run=run_eval)

@@ -36,10 +36,10 @@ from . import (
     add_dtype_argument,
     add_max_memory_argument,
     add_product_arguments,
-    non_negative_float,
+    mass,
     non_negative_int,
+    non_negative_number,
     positive_int,
-    probability,
     seed_int,
     utf8_text,
 )
@@ -64,9 +64,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--separator", default="---", metavar="LINE",
                         help="the line between samples (default: ---)")
     parser.add_argument("--max-new-tokens", type=non_negative_int, default=500)
-    parser.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default: 0.8)")
+    parser.add_argument("--temperature", type=non_negative_number, default=0.8, help="0 = greedy (default: 0.8)")
     parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=probability, default=None)
+    parser.add_argument("--top-p", type=mass, default=None)
     parser.add_argument("--seed", type=seed_int, default=1337, help="of the first sample; sample i uses SEED+i")
     parser.add_argument("--no-cache", action="store_true", help="recompute the context at each step")
     add_max_memory_argument(parser)

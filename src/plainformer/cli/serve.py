@@ -39,9 +39,9 @@ from . import (
     UserError,
     add_dtype_argument,
     add_max_memory_argument,
-    non_negative_float,
-    positive_float,
+    non_negative_number,
     positive_int,
+    positive_number,
 )
 from .embed import DTYPES, load_encoder
 
@@ -70,7 +70,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-response-tokens", type=positive_int, default=MAX_RESPONSE_TOKENS, metavar="N",
                         help="tokens one response may carry, counting echoed prompts and each logprob alternative; "
                              "a request that could exceed it is answered 400 (default: %(default)s)")
-    parser.add_argument("--prefix-cache-mb", type=non_negative_float, metavar="MB",
+    parser.add_argument("--prefix-cache-mb", type=non_negative_number, metavar="MB",
                         help="megabytes (10^6 bytes) of prompts' keys and values kept for the prompts that begin as "
                              "they do, least recently used evicted first; 0: none (default: an eighth of the memory "
                              "available once the model is loaded, at most 4 GiB; a model with a sliding window "
@@ -87,16 +87,16 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     defaults = Connections()
     limits.add_argument("--max-connections", type=positive_int, default=defaults.max_connections, metavar="N",
                         help="connections held at once; one more is answered 503 and closed (default: %(default)s)")
-    limits.add_argument("--timeout-headers", type=positive_float, default=defaults.header_timeout, metavar="S",
+    limits.add_argument("--timeout-headers", type=positive_number, default=defaults.header_timeout, metavar="S",
                         help="a request's headers must arrive within S of its first byte (default: %(default)s)")
-    limits.add_argument("--timeout-body", type=positive_float, default=defaults.body_timeout, metavar="S",
+    limits.add_argument("--timeout-body", type=positive_number, default=defaults.body_timeout, metavar="S",
                         help="a request's body must arrive within S of its headers (default: %(default)s)")
-    limits.add_argument("--timeout-keep-alive", type=positive_float, default=defaults.keep_alive, metavar="S",
+    limits.add_argument("--timeout-keep-alive", type=positive_number, default=defaults.keep_alive, metavar="S",
                         help="an idle connection is closed after S (default: %(default)s)")
-    limits.add_argument("--timeout-shutdown", type=non_negative_float, default=GRACE_S, metavar="S",
+    limits.add_argument("--timeout-shutdown", type=non_negative_number, default=GRACE_S, metavar="S",
                         help="after Ctrl-C or SIGTERM, requests in flight may finish for S before they are ended "
                              "with an error (default: %(default)s)")
-    limits.add_argument("--timeout-template", type=positive_float, default=TEMPLATE_TIMEOUT_S, metavar="S",
+    limits.add_argument("--timeout-template", type=positive_number, default=TEMPLATE_TIMEOUT_S, metavar="S",
                         help="a chat template from the model directory must render within S, else the request is "
                              "refused (default: %(default)s)")
     parser.set_defaults(run=run_serve, product=True, json=False)

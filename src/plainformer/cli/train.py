@@ -41,7 +41,7 @@ from ..families.resolve import (
     resolve_run,
 )
 from ..launch import process_seconds
-from ..nn.lora import TARGETS
+from ..nn.lora import TARGETS, LoRAConfig
 from ..training.config import TrainConfig
 from . import (
     UserError,
@@ -49,15 +49,14 @@ from . import (
     add_max_memory_argument,
     config_file,
     field_type,
-    positive_float,
     positive_int,
-    rate,
+    ranged_field_type,
     set_threads,
 )
 
-# The data and run options (each applies to the families whose `options` name it): argparse keywords,
-# in the order of families/resolve.py's RECIPE_OPTIONS.
-OPTIONS: Mapping[str, Mapping[str, Any]] = {
+# The flags of the data and run options (families/resolve.py's RECIPE_OPTIONS, which the families' `options`
+# name): argparse keywords, in the order of the help; the LoRA flags take LoRAConfig's ranges.
+_OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "data": dict(metavar="DATA", help=(
         "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
         "(default: the bundled Shakespeare)")),
@@ -75,11 +74,12 @@ OPTIONS: Mapping[str, Mapping[str, Any]] = {
     "init": dict(metavar="MODEL", help=(
         "the model to fine-tune: a plainformer checkpoint or run directory (e.g. runs/default), a Hugging "
         "Face GPT-2, Llama or BERT directory, or minilm")),
-    "lora_r": dict(type=positive_int, metavar="R", help=(
+    "lora_r": dict(type=ranged_field_type(LoRAConfig, "r"), metavar="R", help=(
         "train a rank-R LoRA adapter (the run keeps it and a reference to --init), not every weight")),
-    "lora_alpha": dict(type=positive_float, metavar="ALPHA", help="LoRA's α: the update is scaled by α / r "
-                                                                  "(default: 16)"),
-    "lora_dropout": dict(type=rate, metavar="P", help="dropout on the input of LoRA's A (default: 0)"),
+    "lora_alpha": dict(type=ranged_field_type(LoRAConfig, "alpha"), metavar="ALPHA",
+                       help="LoRA's α: the update is scaled by α / r (default: 16)"),
+    "lora_dropout": dict(type=ranged_field_type(LoRAConfig, "dropout"), metavar="P",
+                         help="dropout on the input of LoRA's A (default: 0)"),
     "lora_targets": dict(metavar="NAMES", help=(
         f"the layers LoRA adapts, comma-separated, of {','.join(TARGETS)} (default: W_q,W_v)")),
     "plays": dict(nargs="+", metavar="TITLE",
@@ -87,7 +87,9 @@ OPTIONS: Mapping[str, Mapping[str, Any]] = {
     "threads": dict(type=positive_int, metavar="INT",
                       help="torch.set_num_threads (default: the recipe's, else torch's)"),
 }
-assert tuple(OPTIONS) == RECIPE_OPTIONS
+#: The recipe options' flags, in the help's order: a family's option without a flag fails every command at
+#: once (ValueError: not in tuple); a flag that no family's option names is left out.
+OPTIONS = {name: _OPTION_FLAGS[name] for name in sorted(RECIPE_OPTIONS, key=tuple(_OPTION_FLAGS).index)}
 
 
 # ----------------------------------------------------------------------------- arguments

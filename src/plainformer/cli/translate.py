@@ -17,7 +17,7 @@ from . import (
     add_max_memory_argument,
     add_product_arguments,
     add_threads_argument,
-    non_negative_float,
+    non_negative_number,
     positive_int,
     set_threads,
     stdin_lines,
@@ -35,7 +35,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ckpt", type=Path, required=True,
                         help="run directory (its best/, else last/) or a checkpoint directory")
     parser.add_argument("--beam", type=positive_int, default=1, help="beam size; 1 = greedy (default: 1)")
-    parser.add_argument("--length-penalty", type=non_negative_float, default=0.6, help="α (default: 0.6)")
+    parser.add_argument("--length-penalty", type=non_negative_number, default=0.6, help="α (default: 0.6)")
     add_threads_argument(parser)
     add_max_memory_argument(parser)
     add_product_arguments(parser)

@@ -26,14 +26,15 @@ from ..hf.directory import is_hf_directory
 from ..launch import log
 from ..memory import check_memory
 from ..models.saved import SavedModel, check_stored_parameters
+from ..nn.lora import LoRAConfig
 from ..training.config import TrainConfig
 from ..training.kernels import chosen_kernels, keep_kernels, run_kernels
 from ..training.trainer import Trainer
 from .memory_estimates import context_length, held_bytes, training_bytes
 
 RECIPE_FILE = "recipe.yaml"
-#: The recipe options of LoRA, each the LoRAConfig field after "lora_".
-LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+#: The recipe options of LoRA: "lora_" and each LoRAConfig field but `trainable`, which the family decides.
+LORA_OPTIONS = tuple(f"lora_{field.name}" for field in dataclasses.fields(LoRAConfig) if field.name != "trainable")
 #: The options only a fine-tuning recipe (whose model comes from --init) takes.
 FINE_TUNING_OPTIONS = ("init", *LORA_OPTIONS)
 ConfigT = TypeVar("ConfigT", bound=Config)

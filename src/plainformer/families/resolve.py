@@ -25,9 +25,9 @@ from ..training.precision import matmul_rate, resolve_dtype
 from . import trained
 from .family import FINE_TUNING_OPTIONS, Family, Run, plain
 
-#: The data and run options of the recipes, each taken by the families whose `options` name it.
-RECIPE_OPTIONS = ("data", "val_data", "text_field", "tokenizer", "vocab_size", "seq_len", "task", "init",
-           "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "plays", "threads")
+#: The data and run options of the recipes, each once: those the trained families' `options` name (the
+#: one place they are listed; the command line's flags follow them).
+RECIPE_OPTIONS = tuple(dict.fromkeys(name for family in trained() for name in family.options))
 #: Options that may change on --resume: how to run, not what.
 RUN_OPTIONS = ("threads",)
 

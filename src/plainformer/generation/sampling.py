@@ -21,22 +21,21 @@ from .. import _checks
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
-SEED_RANGE = 2**64
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def derived_seed(seed: int, offset: int) -> int:
     """The seed of row `offset` of a batch seeded with `seed`: seed + offset, wrapped into [0, 2**64), so
     that seed 2**64 - 1 with two samples gives 2**64 - 1 and 0 rather than an overflow."""
-    return (seed + offset) % SEED_RANGE
+    return (seed + offset) % _checks.SEED_RANGE
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not (_checks.is_number(temperature) and 0 <= temperature < math.inf):
+    if not _checks.is_non_negative_number(temperature):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy) and finite, got {temperature!r}")
     if top_k is not None:
         _checks.check_positive_int("top_k", top_k)
-    if top_p is not None and not (_checks.is_number(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not _checks.is_mass(top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import Config, one_of, positive, positive_int, probability
+from ..config import Config, one_of, positive_int, positive_number, probability
 from ..constants import IGNORE_INDEX
 from ..data.tokenizers import Tokenizer
 from ..nn.attention import BACKENDS
@@ -49,12 +49,12 @@ class BertConfig(Config):
     d_ff: int = positive_int(3072)
     dropout: float = probability(0.1)
     attention_dropout: float = probability(0.1)
-    norm_eps: float = positive(1e-12)
+    norm_eps: float = positive_number(1e-12)
     activation: str = one_of("gelu", ACTIVATIONS)
     backend: str = one_of("auto", BACKENDS)
     pad_id: int | None = 0
     n_labels: int = positive_int(2)
-    init_std: float = positive(0.02)
+    init_std: float = positive_number(0.02)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # BERT-base (Devlin et al. 2019, section 3): 110M parameters.

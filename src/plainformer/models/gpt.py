@@ -40,7 +40,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import Config, greater_than, non_negative, non_negative_int, one_of, positive, positive_int, probability
+from ..config import (
+    Config,
+    greater_than,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    positive_int,
+    positive_number,
+    probability,
+)
 from ..constants import IGNORE_INDEX
 from ..data.tokenizers import Tokenizer
 from ..generation.adapters import GPTDecoder
@@ -84,10 +93,10 @@ class GPTConfig(Config):
     tie_weights: bool = True
     backend: str = one_of("auto", BACKENDS)
     rope_base: float = greater_than(10000.0, 1)
-    norm_eps: float = positive(1e-5)
+    norm_eps: float = positive_number(1e-5)
     # Attention variants, each off by default (nn/attention.py): see the README's table.
     qk_norm: bool = False
-    attn_softcap: float | None = positive(None)
+    attn_softcap: float | None = positive_number(None)
     sliding_window: int | None = positive_int(None)
     # Mixture of Experts (nn/moe.py): 0 experts = every FFN dense.
     n_experts: int = non_negative_int(0)
@@ -95,12 +104,12 @@ class GPTConfig(Config):
     n_shared_experts: int = non_negative_int(0)
     moe_every: int = positive_int(1)
     first_dense_layers: int = non_negative_int(0)
-    capacity_factor: float | None = positive(None)
-    bias_update_rate: float = non_negative(0.0)
-    aux_loss_coef: float = non_negative(0.01)
-    z_loss_coef: float = non_negative(0.001)
+    capacity_factor: float | None = positive_number(None)
+    bias_update_rate: float = non_negative_number(0.0)
+    aux_loss_coef: float = non_negative_number(0.01)
+    z_loss_coef: float = non_negative_number(0.001)
     # The block variants of issue 49 (the module docstring; README's table), each off by default.
-    logit_softcap: float | None = positive(None)
+    logit_softcap: float | None = positive_number(None)
     zero_init: bool = False
     embed_norm: bool = False
     x0_mix: bool = False

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import Config, checked, positive, positive_int, probability
+from ..config import Config, checked, positive_int, positive_number, probability
 
 #: The projections LoRA may adapt, by the name of their module: attention, feed-forward, the LM head.
 TARGETS = ("W_q", "W_k", "W_v", "W_o", "W_1", "W_2", "W_3", "lm_head")
@@ -51,7 +51,7 @@ class LoRAConfig(Config):
     layers adapted (`targets`, of `TARGETS`) and the name patterns that stay trainable (a task head)."""
 
     r: int = positive_int(8)
-    alpha: float = positive(16.0)
+    alpha: float = positive_number(16.0)
     dropout: float = probability(0.0)
     targets: tuple[str, ...] = checked(("W_q", "W_v"), _check_targets)
     trainable: tuple[str, ...] = checked((), _check_names)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from typing import Any
+
+from .._checks import is_finite_number, is_int, is_mass, is_non_negative_int, is_positive_int, is_seed
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 MAX_LEGACY_LOGPROBS = 5
@@ -117,7 +118,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any], max_n: int, max_prompts: int | None = None) -> CompletionRequest:
     """max_n: the most choices per prompt; max_prompts: the most prompts (None: any number)."""
     _refuse_unsupported(body, {"suffix": None, "best_of": (None, body.get("n", 1))})
-    logprobs = _optional(body, "logprobs", _is_int, lambda v: 0 <= v <= MAX_LEGACY_LOGPROBS,
+    logprobs = _optional(body, "logprobs", lambda v: is_int(v) and 0 <= v <= MAX_LEGACY_LOGPROBS,
                          f"an integer from 0 to {MAX_LEGACY_LOGPROBS}")
     return CompletionRequest(_decoding(body, max_n, COMPLETION_DEFAULT_MAX_TOKENS), _prompts(body, max_prompts),
                              logprobs, _flag(body, "echo"))
@@ -127,7 +128,7 @@ def parse_chat(body: dict[str, Any], max_n: int) -> ChatRequest:
     _refuse_unsupported(body, {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                                "response_format": (None, {"type": "text"})})
     logprobs = _flag(body, "logprobs")
-    top = _optional(body, "top_logprobs", _is_int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+    top = _optional(body, "top_logprobs", lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
                     f"an integer from 0 to {MAX_TOP_LOGPROBS}")
     if top is not None and not logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -144,9 +145,9 @@ def parse_embeddings(body: dict[str, Any], max_inputs: int = MAX_EMBEDDING_INPUT
     inputs = _prompts(body, max_inputs, name="input")
     if "" in inputs:  # OpenAI refuses it too: an embedding of nothing
         raise APIError("input must not hold an empty string", param="input")
-    encoding = _optional(body, "encoding_format", lambda v: isinstance(v, str), lambda v: v in EMBEDDING_FORMATS,
+    encoding = _optional(body, "encoding_format", lambda v: isinstance(v, str) and v in EMBEDDING_FORMATS,
                          " or ".join(map(repr, EMBEDDING_FORMATS)), default="float")
-    dimensions = _optional(body, "dimensions", _is_int, lambda v: v >= 1, "an integer >= 1")
+    dimensions = _optional(body, "dimensions", is_positive_int, "an integer >= 1")
     return EmbeddingRequest(model, inputs, encoding, dimensions)
 
 
@@ -159,7 +160,7 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
 
 def parse_detokenize(body: dict[str, Any]) -> list[int]:
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise APIError("tokens must be a list of token ids", param="tokens")
     return tokens
 
@@ -167,27 +168,20 @@ def parse_detokenize(body: dict[str, Any]) -> list[int]:
 # ---------------------------------------------------------------------------- fields
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _optional(body: dict[str, Any], name: str, kind: Callable[[Any], bool], accept: Callable[[Any], bool],
-              expected: str, default: Any = None) -> Any:
-    """body[name] if it is of `kind` and accepted; `default` when absent or null; else a 400 naming it."""
+def _optional(body: dict[str, Any], name: str, accept: Callable[[Any], bool], expected: str,
+              default: Any = None) -> Any:
+    """body[name] if `accept`ed (of its type and range: `_checks`' ranges, most); `default` when absent or
+    null; else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return default
-    if not kind(value) or not accept(value):
+    if not accept(value):
         raise APIError(f"{name} must be {expected}, got {json.dumps(value)[:80]}", param=name)
     return value
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
-    return _optional(body, name, lambda v: isinstance(v, bool), lambda v: True, "true or false", default=False)
+    return _optional(body, name, lambda v: isinstance(v, bool), "true or false", default=False)
 
 
 def _refuse_unsupported(body: dict[str, Any], neutral: dict[str, Any]) -> None:
@@ -211,20 +205,20 @@ def _decoding(body: dict[str, Any], max_n: int, default_max_tokens: int | None) 
         raise APIError("stream_options is only allowed with stream: true", param="stream_options")
     if options is not None and not isinstance(options, dict):
         raise APIError("stream_options must be an object such as {\"include_usage\": true}", param="stream_options")
-    include_usage = _optional(options or {}, "include_usage", lambda v: isinstance(v, bool), lambda v: True,
+    include_usage = _optional(options or {}, "include_usage", lambda v: isinstance(v, bool),
                               "true or false", default=False)
     return Decoding(
         model=model,
-        max_tokens=_optional(body, "max_tokens", _is_int, lambda v: v >= 0, "an integer >= 0",
+        max_tokens=_optional(body, "max_tokens", is_non_negative_int, "an integer >= 0",
                              default=default_max_tokens),
-        temperature=_optional(body, "temperature", _is_number, lambda v: 0 <= v <= 2, "a number from 0 to 2",
-                              default=1.0),
-        top_p=_optional(body, "top_p", _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        top_k=_optional(body, "top_k", _is_int, lambda v: v >= 1 or v == -1, "an integer >= 1 (-1: no limit)"),
-        n=_optional(body, "n", _is_int, lambda v: 1 <= v <= max_n, f"an integer from 1 to {max_n} (--max-batch)",
+        temperature=_optional(body, "temperature", lambda v: is_finite_number(v) and 0 <= v <= 2,
+                              "a number from 0 to 2", default=1.0),
+        top_p=_optional(body, "top_p", is_mass, "a number in (0, 1]"),
+        top_k=_optional(body, "top_k", lambda v: is_int(v) and (v >= 1 or v == -1), "an integer >= 1 (-1: no limit)"),
+        n=_optional(body, "n", lambda v: is_int(v) and 1 <= v <= max_n, f"an integer from 1 to {max_n} (--max-batch)",
                     default=1),
         stop=_stop(body.get("stop")),
-        seed=_optional(body, "seed", _is_int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)"),
+        seed=_optional(body, "seed", is_seed, "an integer in [0, 2**64)"),
         stream=stream,
         include_usage=include_usage,
         logit_bias=_logit_bias(body.get("logit_bias")),
@@ -241,7 +235,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise APIError(f"{expected}, got {json.dumps(value)[:80]}", param="logit_bias")
     pairs = []
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or not _is_number(bias) or not abs(bias) <= MAX_LOGIT_BIAS:
+        if not (key.isascii() and key.isdigit()) or not is_finite_number(bias) or not abs(bias) <= MAX_LOGIT_BIAS:
             raise APIError(f"{expected}, got {json.dumps({key: bias})[:80]}", param="logit_bias")
         pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
@@ -266,14 +260,14 @@ def _prompts(body: dict[str, Any], max_prompts: int | None, name: str = "prompt"
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise APIError(f"{name} must be {expected} (not empty)", param=name)
-    if all(_is_int(t) for t in prompt):
+    if all(is_int(t) for t in prompt):
         return [prompt]
     if max_prompts is not None and len(prompt) > max_prompts:
         raise APIError(f"{name} holds {len(prompt)} items; this server takes at most {max_prompts} in one request"
                        f"{' (--max-queue)' if name == 'prompt' else ''}", param=name)
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+    if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
         return list(prompt)
     raise APIError(f"{name} must be {expected}, each list not empty", param=name)
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ..config import Config, non_negative, non_negative_int, one_of, positive, positive_int, probability
+from ..config import Config, non_negative_int, non_negative_number, one_of, positive_int, positive_number, probability
 
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 
@@ -38,19 +38,19 @@ class TrainConfig(Config):
     max_steps: int = positive_int(2000)
     batch_size: int = positive_int(12)
     grad_accum_steps: int = positive_int(1)
-    lr: float = positive(1e-3)
-    min_lr: float = non_negative(1e-4)
+    lr: float = positive_number(1e-3)
+    min_lr: float = non_negative_number(1e-4)
     warmup_steps: int = non_negative_int(100)
     schedule: str = one_of("cosine", SCHEDULES)
     decay_steps: int | None = positive_int(None)
     schedule_d_model: int | None = positive_int(None)
-    weight_decay: float = non_negative(0.1)
+    weight_decay: float = non_negative_number(0.1)
     optimizer: str = one_of("adamw", OPTIMIZERS)
-    muon_lr: float = positive(0.02)
+    muon_lr: float = positive_number(0.02)
     beta1: float = probability(0.9)
     beta2: float = probability(0.99)
-    eps: float = positive(1e-8)
-    grad_clip: float = non_negative(1.0)
+    eps: float = positive_number(1e-8)
+    grad_clip: float = non_negative_number(1.0)
     eval_interval: int = non_negative_int(250)
     eval_batches: int = positive_int(20)
     eval_batch_size: int | None = positive_int(None)
@@ -58,7 +58,7 @@ class TrainConfig(Config):
     save_interval: int = non_negative_int(250)
     dtype: str = one_of("auto", DTYPES)
     seed: int = non_negative_int(1337)
-    max_time: float | None = positive(None)
+    max_time: float | None = positive_number(None)
     fit_to_time: bool = False
     compile: bool = False
     parallel: str = one_of("auto", PARALLEL)
