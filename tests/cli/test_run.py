@@ -12,8 +12,10 @@ PRELUDE = textwrap.dedent("""
     import atexit, io, sys, threading, time
 
     class TornDown:
-        def __del__(self):
-            print("torn down", file=sys.stderr)
+        # stderr bound now: the teardown may have set this module's `sys` to None by the time it frees `kept`
+        # (it does when dill, which lm-eval brings, is imported with torch)
+        def __del__(self, stderr=sys.stderr):
+            print("torn down", file=stderr)
 
     class Unflushable(io.StringIO):
         def flush(self):
