@@ -10,15 +10,8 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.generation.batching import (
-    ContinuousBatcher,
-    Failed,
-    Job,
-    PromptScores,
-    QueueFull,
-    Sampling,
-    Token,
-)
+from plainformer.generation.batching import ContinuousBatcher, QueueFull
+from plainformer.generation.jobs import Failed, Job, PromptScores, Sampling, Token
 from plainformer.generation.stopping import StopStrings
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.generation.batching import ContinuousBatcher, Job, PromptScores, Sampling, Token
+from plainformer.generation.batching import ContinuousBatcher
+from plainformer.generation.jobs import Job, PromptScores, Sampling, Token
 from plainformer.generation.prefix_cache import Prefix, PrefixCache, default_capacity
 from tests.generation.test_batching import Collector, RecordingDecoder
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start

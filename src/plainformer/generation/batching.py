@@ -34,7 +34,6 @@ max_new_tokens must fit block_size: the context never slides here.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import sys
 import threading
 import traceback
@@ -47,12 +46,10 @@ from torch import Tensor
 
 from .. import _checks
 from ..nn.kv_cache import RowsKVCache
+from . import rows as per_row
+from .jobs import Cancelled, Failed, Job, PromptScores, Token, TopLogprobs
 from .prefix_cache import Prefix, PrefixCache
-from .sampling import check_sampling, draw_next
-from .stopping import StopStrings
-
-#: (token id, its log-probability) pairs, most likely first.
-TopLogprobs = list[tuple[int, float]]
+from .rows import Row
 
 
 class BatchDecoder(Protocol):
@@ -67,95 +64,6 @@ class BatchDecoder(Protocol):
 
     def all_logits(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
                    attention_mask: Tensor | None = None) -> Tensor: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How a row draws: `draw_next`'s settings; seed None = a fresh random generator. logit_bias: (token id,
-    b) pairs, b in [-100, 100] added to that token's logit before anything else (OpenAI's logit_bias)."""
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        for token, bias in self.logit_bias:
-            if not _checks.is_int(token) or token < 0 or not (_checks.is_number(bias) and -100 <= bias <= 100):
-                raise ValueError(f"logit_bias must pair token ids >= 0 with biases in [-100, 100], got "
-                                 f"({token!r}, {bias!r})")
-
-
-@dataclasses.dataclass(frozen=True)
-class Token:
-    """One token a row drew, with its log-probability and the top alternatives where asked; `finish`:
-    None while the row goes on, else "stop" (eos or a stop string) or "length"."""
-
-    choice: int
-    token: int
-    logprob: float | None = None
-    top: TopLogprobs | None = None
-    finish: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptScores:
-    """log p(prompt[i] | prompt[:i]) for i = 1 .. p-1, and the top alternatives at each."""
-
-    logprobs: list[float]
-    top: list[TopLogprobs]
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """The request could not be served; `message` says why (no traceback)."""
-
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Cancelled:
-    """The batcher stopped before the request finished."""
-
-
-Event = Token | PromptScores | Failed | Cancelled
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One request: `n` rows continuing `prompt` by up to max_new_tokens tokens.
-
-    seeds: one per row (None: random). logprobs: report the top-k alternatives of each new token (0: the
-    drawn token's own only; None: nothing). prompt_logprobs: the same for the prompt's tokens. `emit` is
-    called on the batcher's thread with each `Event`; set `cancelled` to free the rows at the next step.
-    """
-
-    prompt: list[int]
-    max_new_tokens: int
-    emit: Callable[[Event], None]
-    sampling: Sampling = Sampling()
-    seeds: list[int | None] = dataclasses.field(default_factory=lambda: [None])
-    eos_id: int | None = None
-    stop: StopStrings | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    cancelled: bool = False
-
-    @property
-    def n(self) -> int:
-        return len(self.seeds)
-
-
-@dataclasses.dataclass(eq=False)
-class _Row:
-    job: Job
-    choice: int
-    generator: torch.Generator
-    cached: int  # positions in the cache: the prompt and every token drawn but the last
-    last: int = 0  # the newest token, fed at the next step
-    drawn: list[int] = dataclasses.field(default_factory=list)
-    bias: tuple[Tensor, Tensor] | None = None  # its logit_bias on the device (ids, values), made at its first draw
 
 
 @dataclasses.dataclass(eq=False)
@@ -196,7 +104,7 @@ class ContinuousBatcher:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and not windowed else None
         self._hits = self._hit_tokens = 0
         self._prefill: _Prefill | None = None
-        self._rows: list[_Row] = []
+        self._rows: list[Row] = []
         self._waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -393,7 +301,7 @@ class ContinuousBatcher:
             assert scores is not None and job.prompt_logprobs is not None
             low, high = max(begin, width - len(job.prompt)), min(end, width - 1)
             if low < high:
-                chosen, top = _logprobs(logits[r, low - begin:high - begin], group.ids[r, low + 1:high + 1],
+                chosen, top = per_row.logprobs(logits[r, low - begin:high - begin], group.ids[r, low + 1:high + 1],
                                         job.prompt_logprobs)
                 scores[0].extend(chosen)
                 scores[1].extend(top)
@@ -408,12 +316,12 @@ class ContinuousBatcher:
         if self.prefix_cache is not None:
             for r, (job, scores) in enumerate(zip(group.jobs, group.scores, strict=True)):
                 self._keep(job, group, r, width - len(job.prompt), scores)
-        rows: list[_Row] = []
+        rows: list[Row] = []
         sources: list[int] = []
         for r, job in enumerate(group.jobs):
             if job.max_new_tokens > 0:
                 for choice, seed in enumerate(job.seeds):
-                    rows.append(_Row(job, choice, _generator(seed), cached=len(job.prompt)))
+                    rows.append(Row(job, choice, per_row.new_generator(seed), cached=len(job.prompt)))
                     sources.append(r)
         if not rows:
             return
@@ -437,7 +345,7 @@ class ContinuousBatcher:
                                               dtype=torch.float64).view(n - 1, -1)
         self.prefix_cache.add(entry)
 
-    def _join(self, rows: list[tuple[_Row, int]], prompt_caches: list[RowsKVCache]) -> None:
+    def _join(self, rows: list[tuple[Row, int]], prompt_caches: list[RowsKVCache]) -> None:
         """Give each row a slot, and its prompt's keys and values (row r of `prompt_caches`) right-aligned
         with the batch's."""
         for row, r in rows:
@@ -471,21 +379,21 @@ class ContinuousBatcher:
         self._remove([i for i, done in enumerate(finished) if done])
         self.steps += 1
 
-    def _advance(self, rows: list[_Row], logits: Tensor) -> list[bool]:
+    def _advance(self, rows: list[Row], logits: Tensor) -> list[bool]:
         """Draw each row's next token from its logits (B, V) and report it -> which rows are done. A row
         with no distribution to draw from fails its own job alone: the other requests' rows go on."""
-        logits = _biased(rows, logits)
-        tokens, undefined = _draw(rows, logits)
-        scores = _scores(rows, logits, tokens)
+        logits = per_row.biased(rows, logits)
+        tokens, undefined = per_row.draw(rows, logits)
+        scores = per_row.scores(rows, logits, tokens)
         finished = []
         for row, token, (logprob, top), broken in zip(rows, tokens, scores, undefined, strict=True):
             if broken or row.job.cancelled:
-                _fail(row.job, broken)
+                per_row.fail(row.job, broken)
                 finished.append(True)
                 continue
             row.last = token
             row.drawn.append(token)
-            finish = _finish_reason(row)
+            finish = per_row.finish_reason(row)
             row.job.emit(Token(row.choice, token, logprob, top, finish))
             finished.append(finish is not None)
         return finished
@@ -527,85 +435,3 @@ def _worth_running_first(runs: list[int]) -> list[int]:
     if split == len(runs) or 2 * (split * runs[order[split - 1]] + (len(runs) - split) * longest) > len(runs) * longest:
         return list(range(len(runs)))
     return sorted(order[:split])
-
-
-def _generator(seed: int | None) -> torch.Generator:
-    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-
-
-def _biased(rows: list[_Row], logits: Tensor) -> Tensor:
-    """logits (B, V) plus each row's logit_bias, in float32 (`logits` itself when no row has one). Each row's
-    bias is copied to the device once, so a step adds it without a host read."""
-    biased = [i for i, row in enumerate(rows) if row.job.sampling.logit_bias]
-    if not biased:
-        return logits
-    out = logits.float().clone(memory_format=torch.contiguous_format)  # a prefill's rows are one row expanded
-    for i in biased:
-        row = rows[i]
-        if row.bias is None:
-            ids, values = zip(*row.job.sampling.logit_bias, strict=True)
-            row.bias = (torch.tensor(ids, device=out.device), torch.tensor(values, dtype=out.dtype, device=out.device))
-        out[i].index_add_(0, *row.bias)
-    return out
-
-
-def _draw(rows: list[_Row], logits: Tensor) -> tuple[list[int], list[bool]]:
-    """Each row's next token, drawn with its own settings and generator (rows that share settings at once),
-    and whether the row had no distribution to draw from (NaN or +inf logits, or only -inf), in one host read."""
-    drawn = torch.empty(2, len(rows), dtype=torch.long, device=logits.device)  # (token, undefined) per row
-    drawn[1] = 0
-    groups: dict[Sampling, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(row.job.sampling, []).append(i)
-    for sampling, members in groups.items():
-        tokens, undefined = draw_next(logits[members], temperature=sampling.temperature, top_k=sampling.top_k,
-                                      top_p=sampling.top_p, generator=[rows[i].generator for i in members])
-        drawn[0, members] = tokens
-        if undefined is not None:
-            drawn[1, members] = undefined.long()
-    tokens_list, undefined_list = drawn.tolist()
-    return tokens_list, [bool(flag) for flag in undefined_list]
-
-
-def _fail(job: Job, broken: bool) -> None:
-    """End `job` (its other rows leave at the next step): with one line to its client if a row of it had
-    no distribution, silently if it was cancelled."""
-    if broken and not job.cancelled:
-        job.emit(Failed("decoding failed: the model's logits hold NaN or +inf, or only -inf: there is no "
-                        "distribution to sample from"))
-    job.cancelled = True
-
-
-def _scores(rows: list[_Row], logits: Tensor, tokens: list[int]) -> list[tuple[float | None, TopLogprobs | None]]:
-    """(log p of the drawn token, top alternatives) for the rows that asked, (None, None) elsewhere."""
-    asking = [i for i, row in enumerate(rows) if row.job.logprobs is not None]
-    scores: list[tuple[float | None, TopLogprobs | None]] = [(None, None)] * len(rows)
-    if asking:
-        chosen, top = _logprobs(logits[asking], torch.tensor([tokens[i] for i in asking], device=logits.device),
-                                max(rows[i].job.logprobs or 0 for i in asking))
-        for i, logprob, alternatives in zip(asking, chosen, top, strict=True):
-            scores[i] = (logprob, alternatives[:rows[i].job.logprobs])
-    return scores
-
-
-def _logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[list[float], list[TopLogprobs]]:
-    """logits (m, V), tokens (m,) -> log-softmax at each token, and each position's k most likely
-    (token, log-probability), in float32 whatever the model's dtype."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (m, V)
-    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
-    if k == 0:
-        return chosen, [[] for _ in chosen]
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)  # (m, k)
-    top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-    return chosen, top
-
-
-def _finish_reason(row: _Row) -> str | None:
-    job = row.job
-    if job.eos_id is not None and row.last == job.eos_id:
-        return "stop"
-    if job.stop is not None and job.stop.cut(job.stop.decode(row.drawn)) is not None:
-        return "stop"
-    if len(row.drawn) >= job.max_new_tokens:
-        return "length"
-    return None

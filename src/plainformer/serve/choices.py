@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from ..data.tokenizers import Tokenizer
-from ..generation.batching import PromptScores, TopLogprobs
+from ..generation.jobs import PromptScores, TopLogprobs
 from ..generation.stopping import StopStrings
 
 REPLACEMENT = "\ufffd"  # what a byte-level token that ends mid-character decodes to, until the next arrives

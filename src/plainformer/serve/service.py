@@ -21,17 +21,8 @@ from typing import Any
 from .. import _checks
 from ..data.tokenizers import Tokenizer
 from ..families.memory_estimates import forward_bytes
-from ..generation.batching import (
-    Cancelled,
-    ContinuousBatcher,
-    Event,
-    Failed,
-    Job,
-    PromptScores,
-    QueueFull,
-    Sampling,
-    Token,
-)
+from ..generation.batching import ContinuousBatcher, QueueFull
+from ..generation.jobs import Cancelled, Event, Failed, Job, PromptScores, Sampling, Token
 from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings
 from ..memory import MemoryBudgetError, check_memory
