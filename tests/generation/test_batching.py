@@ -188,6 +188,26 @@ def test_prompts_that_wait_are_prefilled_together_in_one_forward_pass(model):
     assert collectors[1].tokens(1) == alone(model, prompts[1], 6, 0.0, 40)
 
 
+def test_prefill_tokens_admits_the_waiting_prompts_a_pass_holds_and_the_rest_to_the_next(model):
+    """prefill_tokens 8: of four 3-token prompts two share a pass (2 x 3 <= 8 < 3 x 3), the next two the next
+    pass, after the first two's step; each still draws what it draws alone."""
+    decoder = RecordingDecoder(model.decoder())
+    batcher = ContinuousBatcher(decoder, max_rows=4, prefill_tokens=8)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    collectors = [Collector() for _ in prompts]
+    for i, prompt in enumerate(prompts):  # before the batcher starts: all wait at its first turn
+        batcher.submit(Job(prompt, 3, collectors[i], sampling=Sampling(temperature=1.0), seeds=[i]))
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+    assert decoder.shapes[:3] == [(2, 3), (2, 1), (2, 3)]
+    for i, prompt in enumerate(prompts):
+        assert collectors[i].tokens() == alone(model, prompt, 3, 1.0, i), i
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_steps_of_the_decoding_rows(model):
     decoder = RecordingDecoder(model.decoder())
     batcher = ContinuousBatcher(decoder, max_rows=2, prefill_chunk=4)

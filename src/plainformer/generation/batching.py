@@ -5,8 +5,9 @@ One thread owns the model (`run`, or `start` for a thread of its own). Each turn
 that wait (when no prefill is under way), runs one chunk of their prefill, then advances every row by one
 token:
 
-    prefill    the k waiting prompts run together, left-padded to the longest, P columns (k, P): an
-               attention mask hides the padding and each row counts its positions from its own first
+    prefill    the k waiting prompts (within prefill_tokens, padding included) run together, left-padded
+               to the longest, P columns (k, P): an attention mask hides the padding and each row counts
+               its positions from its own first
                token (`nn.masks.padded_positions_and_mask`), so each last position's logits are those the
                prompt gets alone, and each first token is drawn from them. The columns run in chunks of
                at most prefill_chunk // k, one chunk a turn, so that the decoding rows take a step between
@@ -80,6 +81,12 @@ class _Prefill:
     scores: list[tuple[list[float], list[TopLogprobs]] | None]
 
 
+#: The prompt tokens (padding included) the server admits to one prefill: the prompts past them wait for the
+#: next, so that the first of many waiting prompts get their first tokens after one pass, not after all of
+#: them (docs/experiments.md, "Serving under load").
+PREFILL_TOKENS = 128
+
+
 class QueueFull(RuntimeError):
     """More requests wait than the batcher was told to hold."""
 
@@ -87,18 +94,22 @@ class QueueFull(RuntimeError):
 class ContinuousBatcher:
     """Decodes the rows of every submitted `Job` in one running batch of at most max_rows rows, on a
     thread of its own (`start`, `stop`); at most max_queue jobs wait for room. A prefill forward pass runs
-    at most prefill_chunk tokens, padding included (a chunk of one column at least). prefix_cache_bytes > 0
-    keeps prompts' keys and values for the prompts that begin as they do (`prefix_cache`; none for a model
-    with a sliding window, whose cache keeps only the window's positions)."""
+    at most prefill_chunk tokens, padding included (a chunk of one column at least); with prefill_tokens, the
+    prompts that wait join one prefill while their tokens, padding included, stay within it (one at least).
+    prefix_cache_bytes > 0 keeps prompts' keys and values for the prompts that begin as they do
+    (`prefix_cache`; none for a model with a sliding window, whose cache keeps only the window's positions)."""
 
     def __init__(self, decoder: BatchDecoder, *, max_rows: int = 16, max_queue: int = 64,
-                 prefill_chunk: int = 512, prefix_cache_bytes: int = 0):
+                 prefill_chunk: int = 512, prefill_tokens: int | None = None,
+                 prefix_cache_bytes: int = 0):
         _checks.check_positive_int("max_rows", max_rows)
         _checks.check_non_negative_int("max_queue", max_queue)
         _checks.check_positive_int("prefill_chunk", prefill_chunk)
+        if prefill_tokens is not None:
+            _checks.check_positive_int("prefill_tokens", prefill_tokens)
         _checks.check_non_negative_int("prefix_cache_bytes", prefix_cache_bytes)
         self.decoder, self.max_rows, self.max_queue = decoder, max_rows, max_queue
-        self.block_size, self.prefill_chunk = decoder.block_size, prefill_chunk
+        self.block_size, self.prefill_chunk, self.prefill_tokens = decoder.block_size, prefill_chunk, prefill_tokens
         self._caches = [RowsKVCache.like(cache, max_rows) for cache in decoder.new_kv_caches(1)]
         windowed = self._caches[0].window is not None
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and not windowed else None
@@ -199,12 +210,17 @@ class ContinuousBatcher:
                 return None
             if self._prefill is not None:
                 return []
-            room, admitted = self.max_rows - len(self._rows), []
+            room, admitted, longest = self.max_rows - len(self._rows), [], 0
             while self._waiting and self._waiting[0].n <= room:
-                job = self._waiting.popleft()
+                job = self._waiting[0]
+                wider = max(longest, len(job.prompt))
+                # the prompts past prefill_tokens wait for the next prefill: the first ones' tokens come sooner
+                if admitted and self.prefill_tokens is not None and (len(admitted) + 1) * wider > self.prefill_tokens:
+                    break
+                self._waiting.popleft()
                 if not job.cancelled:
                     admitted.append(job)
-                    room -= job.n
+                    room, longest = room - job.n, wider
             return admitted
 
     def _guarded(self, jobs: list[Job] | None, work: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from .. import _checks
 from ..data.tokenizers import Tokenizer
 from ..families.memory_estimates import forward_bytes
-from ..generation.batching import ContinuousBatcher, QueueFull
+from ..generation.batching import PREFILL_TOKENS, ContinuousBatcher, QueueFull
 from ..generation.jobs import Cancelled, Event, Failed, Job, PromptScores, Sampling, Token
 from ..generation.sampling import derived_seed
 from ..generation.stopping import StopStrings
@@ -51,7 +51,8 @@ class Service:
         _checks.check_positive_int("max_response_tokens", max_response_tokens)
         self.model, self.embedder, self.tokenizer, self.name = model, embedder, tokenizer, name
         self.batcher = None if model is None else ContinuousBatcher(
-            model.decoder(), max_rows=max_batch, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
+            model.decoder(), max_rows=max_batch, max_queue=max_queue, prefill_tokens=PREFILL_TOKENS,
+            prefix_cache_bytes=prefix_cache_bytes)
         self.max_response_tokens = max_response_tokens
         self.created = int(time.time())
 
