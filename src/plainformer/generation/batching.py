@@ -210,7 +210,8 @@ class ContinuousBatcher:
                 return None
             if self._prefill is not None:
                 return []
-            room, admitted, longest = self.max_rows - len(self._rows), [], 0
+            admitted: list[Job] = []
+            room, longest = self.max_rows - len(self._rows), 0
             while self._waiting and self._waiting[0].n <= room:
                 job = self._waiting[0]
                 wider = max(longest, len(job.prompt))
