@@ -45,6 +45,16 @@ class Collector:
         return [e.token for e in self.events if isinstance(e, Token) and e.choice == choice]
 
 
+def run_until_done(batcher: ContinuousBatcher, collectors: list[Collector]) -> None:
+    """Start the batcher, wait for every collector's rows to finish, and stop it."""
+    batcher.start()
+    try:
+        for collector in collectors:
+            assert collector.done.wait(30)
+    finally:
+        batcher.stop()
+
+
 def alone(model: pf.GPT, prompt: list[int], new: int, temperature: float, seed: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), new, temperature=temperature,
                          generator=torch.Generator().manual_seed(seed))
@@ -139,12 +149,7 @@ def test_rows_of_a_windowed_model_draw_what_they_draw_alone(variants):
     collectors = [Collector() for _ in prompts]
     for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
         running.submit(Job(prompt, new, collectors[i], sampling=Sampling(temperature=temperature), seeds=[50 + i]))
-    running.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        running.stop()
+    run_until_done(running, collectors)
     for i, (prompt, (temperature, new)) in enumerate(zip(prompts, settings, strict=True)):
         assert collectors[i].tokens() == alone(windowed, prompt, new, temperature, 50 + i), i
 
@@ -175,12 +180,7 @@ def test_prompts_that_wait_are_prefilled_together_in_one_forward_pass(model):
     for i, prompt in enumerate(prompts):  # before the batcher starts: all wait at its first turn
         batcher.submit(Job(prompt, 6, collectors[i], sampling=Sampling(temperature=0.0 if i % 2 else 1.0),
                            seeds=[20 + i, 40] if i == 1 else [20 + i]))
-    batcher.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        batcher.stop()
+    run_until_done(batcher, collectors)
     assert decoder.shapes[0] == (4, max(map(len, prompts)))  # 4 prompts, left-padded, one pass
     assert decoder.shapes[1:] == [(5, 1)] * 5  # then 5 steps of the 5 rows
     for i, prompt in enumerate(prompts):
@@ -197,12 +197,7 @@ def test_prefill_tokens_admits_the_waiting_prompts_a_pass_holds_and_the_rest_to_
     collectors = [Collector() for _ in prompts]
     for i, prompt in enumerate(prompts):  # before the batcher starts: all wait at its first turn
         batcher.submit(Job(prompt, 3, collectors[i], sampling=Sampling(temperature=1.0), seeds=[i]))
-    batcher.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        batcher.stop()
+    run_until_done(batcher, collectors)
     assert decoder.shapes[:3] == [(2, 3), (2, 1), (2, 3)]
     for i, prompt in enumerate(prompts):
         assert collectors[i].tokens() == alone(model, prompt, 3, 1.0, i), i
@@ -240,12 +235,7 @@ def test_prompt_scores_of_a_padded_chunked_prefill_are_the_models_log_softmax(mo
     collectors = [Collector() for _ in prompts]
     for prompt, collector in zip(prompts, collectors, strict=True):
         batcher.submit(Job(prompt, 1, collector, prompt_logprobs=2, sampling=Sampling(temperature=0.0)))
-    batcher.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        batcher.stop()
+    run_until_done(batcher, collectors)
     for prompt, collector in zip(prompts, collectors, strict=True):
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([prompt]))[0][0].double(), dim=-1)  # (p, V)

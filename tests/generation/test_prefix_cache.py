@@ -11,7 +11,7 @@ import plainformer as pf
 from plainformer.generation.batching import ContinuousBatcher
 from plainformer.generation.jobs import Job, PromptScores, Sampling, Token
 from plainformer.generation.prefix_cache import Prefix, PrefixCache, default_capacity
-from tests.generation.test_batching import Collector, RecordingDecoder
+from tests.generation.test_batching import Collector, RecordingDecoder, run_until_done
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 
 VOCAB, BLOCK = 40, 64
@@ -208,12 +208,7 @@ def test_a_padded_group_of_reused_prefixes_and_a_miss_scores_as_the_full_forward
                 batcher.submit(Job(prompt, 5, collector, sampling=Sampling(temperature=0.0), logprobs=0))
 
     batcher.submit(Job(first, 1, on_first, sampling=Sampling(temperature=0.0)))
-    batcher.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        batcher.stop()
+    run_until_done(batcher, collectors)
     assert batcher.prefix_cache_hits == 2 and batcher.prefix_cache_hit_tokens == (36 - 9) + (19 - 9)
     for prompt, collector in zip(prompts, collectors, strict=True):
         tokens, logprobs, _ = results(collector)
@@ -244,12 +239,7 @@ def test_prompts_that_reuse_a_long_prefix_are_prefilled_before_one_that_reuses_n
                 batcher.submit(Job(prompt, 3, collector, sampling=Sampling(temperature=0.0), logprobs=0))
 
     batcher.submit(Job(first, 1, on_first, sampling=Sampling(temperature=0.0)))
-    batcher.start()
-    try:
-        for collector in collectors:
-            assert collector.done.wait(30)
-    finally:
-        batcher.stop()
+    run_until_done(batcher, collectors)
     assert decoder.shapes[:3] == [(3, 4), (3, 1), (1, 33)]  # the reusing three, their step, then the other
     assert batcher.prefix_cache_hits == 3
     for prompt, collector in zip(prompts, collectors, strict=True):

@@ -89,19 +89,19 @@ def create_app(service: Service, *, api_key: str | None = None, max_body: int = 
     async def scrape() -> Response:
         return Response(metrics.render(), media_type=Metrics.content_type)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
+    async def answered(request: Request, answer: Callable[[Any], dict[str, Any]]) -> Response:
+        """answer(the request's JSON body), worked out and formatted off the event loop."""
         authorize(request)
         raw = await _body(request, max_body)
-        return Response(await asyncio.to_thread(lambda: _json(service.tokenize(parse_tokenize(parse_json(raw))))),
-                        media_type="application/json")
+        return Response(await asyncio.to_thread(lambda: _json(answer(parse_json(raw)))), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await answered(request, lambda body: service.tokenize(parse_tokenize(body)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        authorize(request)
-        raw = await _body(request, max_body)
-        return Response(await asyncio.to_thread(lambda: _json(service.detokenize(parse_detokenize(parse_json(raw))))),
-                        media_type="application/json")
+        return await answered(request, lambda body: service.detokenize(parse_detokenize(body)))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
