@@ -23,6 +23,7 @@ LAYERS = [
     ("checkpoint",),  # the format, below the models that load from it
     ("models",),
     ("hf",),  # Hugging Face adapters, above the models
+    ("gguf",),  # llama.cpp's file format, written from a model's Hugging Face layout
     ("training",),
     ("families",),
     ("recipes",),

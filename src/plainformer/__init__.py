@@ -21,9 +21,9 @@ from .families import load_model
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
+from .gguf.writer import save_gguf
 from .hf.auto import load_hf, save_hf
 from .hf.bert import load_hf_bert, save_hf_bert
-from .hf.gguf import save_gguf
 from .hf.lora import load_lora, save_lora
 from .hf.sentence import SentenceEncoder
 from .hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
