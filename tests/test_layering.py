@@ -27,7 +27,7 @@ LAYERS = [
     ("training",),
     ("families",),
     ("recipes",),
-    ("cli", "serve"),  # the applications: the command line, and the HTTP server its `serve` verb starts
+    ("cli", "serve", "explorer"),  # the applications: the command line, the HTTP server, the attention explorer
     ("__init__", "__main__"),  # `import plainformer as pf`
 ]
 RANK = {layer: rank for rank, names in enumerate(LAYERS) for layer in names}

@@ -17,6 +17,7 @@ from .data.tokenizers import (
     WordPieceTokenizer,
     load_tokenizer,
 )
+from .explorer.page import attention_data, attention_html
 from .families import load_model
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
@@ -39,7 +40,6 @@ from .models import (
     Transformer,
     TransformerConfig,
 )
-from .models.attention_html import attention_data, attention_html
 from .models.attention_maps import all_attention_maps, attention_maps, plot_attention_maps
 from .models.gpt import Block
 from .nn.attention import MultiHeadAttention, attention, scaled_dot_product_attention
