@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "plainformer"
 LAYERS = [
-    ("_checks", "config", "constants", "errors", "launch", "memory", "_version"),  # what every layer may use
+    ("_checks", "config", "constants", "errors", "launch", "log", "memory", "_version"),  # what every layer may use
     ("files",),  # atomic writes, the run lock, the JSON reader
     ("nn",),
     ("inference",),  # decoding-time transforms of a built model's linear layers

@@ -23,7 +23,7 @@ from ..gguf.writer import save_gguf
 from ..hf.auto import load_hf, save_hf
 from ..hf.directory import is_hf_directory
 from ..inference.quantize import quantize
-from ..launch import log
+from ..log import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
 from ..training.evaluation import validation_loss

@@ -60,7 +60,7 @@ from ..data.tokenizers import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Token
 from ..files.atomic import atomic_path
 from ..hf.gpt import exported_state, state_to_hf, weight_map
 from ..hf.gpt_layouts import GPT2, LLAMA, MIXTRAL, QWEN3, Layout, layout_for
-from ..launch import log
+from ..log import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.modes import eval_mode
 
