@@ -49,7 +49,7 @@ import torch
 import transformers
 
 import plainformer as pf
-from plainformer.inference.kernels import measure_kernels
+from plainformer.inference.linear_kernels import measure_kernels
 from plainformer.inference.prepack import prepack_supported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

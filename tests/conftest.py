@@ -39,3 +39,19 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """Sets torchrun's variables for the test (none set before it)."""
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_launch(rank: int, world_size: int, local_rank: int) -> None:
+        for name, value in zip(TORCHRUN, (rank, world_size, local_rank), strict=True):
+            monkeypatch.setenv(name, str(value))
+
+    return set_launch

@@ -1,6 +1,5 @@
-"""Where this process sits in a launch, `log` and `process_seconds` (launch.py): torchrun's RANK / WORLD_SIZE /
-LOCAL_RANK, an initialised process group over them, the one line on stderr that only the main process writes,
-and how long this process has run."""
+"""Where this process sits in a launch and `process_seconds` (launch.py): torchrun's RANK / WORLD_SIZE /
+LOCAL_RANK, an initialised process group over them, and how long this process has run."""
 
 from __future__ import annotations
 
@@ -12,22 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from plainformer.launch import Launch, current_launch, is_main_process, launch_from_env, log, process_seconds
-
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-@pytest.fixture
-def environ(monkeypatch):
-    """Sets torchrun's variables for the test (none set before it)."""
-    for name in TORCHRUN:
-        monkeypatch.delenv(name, raising=False)
-
-    def set_launch(rank: int, world_size: int, local_rank: int) -> None:
-        for name, value in zip(TORCHRUN, (rank, world_size, local_rank), strict=True):
-            monkeypatch.setenv(name, str(value))
-
-    return set_launch
+from plainformer.launch import Launch, current_launch, is_main_process, launch_from_env, process_seconds
 
 
 def test_one_process_is_the_main_one():
@@ -50,19 +34,6 @@ def test_the_local_rank_defaults_to_the_rank_and_is_never_negative():
         launch_from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"})
     with pytest.raises(ValueError, match=r"RANK=0, WORLD_SIZE=0"):
         launch_from_env({"RANK": "0", "WORLD_SIZE": "0"})
-
-
-def test_log_writes_one_line_to_stderr_and_nothing_to_stdout(environ, capsys):
-    log("step 1: loss 2.5")
-    assert capsys.readouterr() == ("", "step 1: loss 2.5\n")
-
-
-@pytest.mark.parametrize("rank, written", [(0, "a line\n"), (1, "")])
-def test_under_torchrun_only_rank_zero_logs(rank, written, environ, capsys):
-    environ(rank, 2, rank)
-    assert is_main_process() == (rank == 0)
-    log("a line")
-    assert capsys.readouterr() == ("", written)
 
 
 def test_an_initialised_process_group_decides_rank_and_size_the_environment_the_local_rank(environ, tmp_path):

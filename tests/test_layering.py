@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "plainformer"
 LAYERS = [
-    ("_checks", "config", "constants", "errors", "launch", "memory", "_version"),  # what every layer may use
+    ("_checks", "config", "constants", "errors", "launch", "log", "memory", "_version"),  # what every layer may use
     ("files",),  # atomic writes, the run lock, the JSON reader
     ("nn",),
     ("inference",),  # decoding-time transforms of a built model's linear layers
@@ -23,10 +23,11 @@ LAYERS = [
     ("checkpoint",),  # the format, below the models that load from it
     ("models",),
     ("hf",),  # Hugging Face adapters, above the models
+    ("gguf",),  # llama.cpp's file format, written from a model's Hugging Face layout
     ("training",),
     ("families",),
     ("recipes",),
-    ("cli", "serve"),  # the applications: the command line, and the HTTP server its `serve` verb starts
+    ("cli", "serve", "explorer"),  # the applications: the command line, the HTTP server, the attention explorer
     ("__init__", "__main__"),  # `import plainformer as pf`
 ]
 RANK = {layer: rank for rank, names in enumerate(LAYERS) for layer in names}

@@ -17,13 +17,14 @@ from .data.tokenizers import (
     WordPieceTokenizer,
     load_tokenizer,
 )
+from .explorer.page import attention_data, attention_html
 from .families import load_model
 from .generation.beam_search import beam_search
 from .generation.decoding import generate, iter_generate
 from .generation.sampling import sample_next
+from .gguf.writer import save_gguf
 from .hf.auto import load_hf, save_hf
 from .hf.bert import load_hf_bert, save_hf_bert
-from .hf.gguf import save_gguf
 from .hf.lora import load_lora, save_lora
 from .hf.sentence import SentenceEncoder
 from .hf.tokenizer_files import load_hf_tokenizer, save_hf_tokenizer
@@ -39,7 +40,6 @@ from .models import (
     Transformer,
     TransformerConfig,
 )
-from .models.attention_html import attention_data, attention_html
 from .models.attention_maps import all_attention_maps, attention_maps, plot_attention_maps
 from .models.gpt import Block
 from .nn.attention import MultiHeadAttention, attention, scaled_dot_product_attention

@@ -1,6 +1,5 @@
-"""Where this process sits in a launch, `log`, the line on stderr that only one process of a launch
-writes, and how long this process has run: what every layer may use, from the models up to the command
-line.
+"""Where this process sits in a launch, and how long this process has run: what every layer may use, from
+the models up to the command line.
 
 A process started by `torchrun` has RANK, WORLD_SIZE and LOCAL_RANK in its environment; once the
 training initialises torch.distributed's process group (training/distributed.py), the group says. Rank 0,
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -49,12 +47,6 @@ def launch_from_env(environ: Mapping[str, str] = os.environ) -> Launch:
 def is_main_process() -> bool:
     """True on rank 0 and in a single process: the one process that prints and writes files."""
     return current_launch().is_main
-
-
-def log(message: str) -> None:
-    """A line on stderr, from rank 0 only under torchrun."""
-    if is_main_process():
-        print(message, file=sys.stderr, flush=True)
 
 
 def process_seconds() -> float | None:

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor, nn
 
 import plainformer as pf
-from plainformer.inference.kernels import MeasuredLinear
 from plainformer.inference.layers import linear_layers, replace_linears
+from plainformer.inference.linear_kernels import MeasuredLinear
 
 
 class Transposed(nn.Module):

@@ -15,7 +15,7 @@ import plainformer as pf
 from plainformer.families import memory_estimates
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
-from plainformer.inference.kernels import measure_kernels
+from plainformer.inference.linear_kernels import measure_kernels
 from tests.reference import llama_family
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 from tests.reference.torch_reference import assert_close
@@ -414,7 +414,7 @@ def test_generate_without_cache_produces_the_same_tokens(variant, temperature):
 
 
 def test_bf16_decoding_at_batch_one_follows_the_bf16_full_pass_and_leaves_onednn_alone():
-    """A batch-1 bf16 step runs on the kernel measured fastest for one row (see inference.kernels): the
+    """A batch-1 bf16 step runs on the kernel measured fastest for one row (see inference.linear_kernels): the
     logits agree with the bf16 full pass up to bf16 rounding (8 significant bits: two units of 2^-8
     relative to the largest logit), and no process-wide switch (oneDNN's) is touched."""
     model = measure_kernels(_gpt().to(torch.bfloat16))

@@ -34,7 +34,8 @@ from .._version import __version__
 from ..config import Config, field_checks
 from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
-from ..launch import is_main_process, launch_from_env, log
+from ..launch import is_main_process, launch_from_env
+from ..log import log
 from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
 from ..models.saved import SavedModel
 from ..training.distributed import RankLost, run_torchrun

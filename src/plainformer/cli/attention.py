@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from ..data.tokenizers import Tokenizer
+from ..explorer.page import DECIMALS, PROBABILITY_DECIMALS, attention_html, token_labels
 from ..families.family import Family
 from ..files.atomic import atomic_path
-from ..models.attention_html import DECIMALS, PROBABILITY_DECIMALS, attention_html, token_labels
 from ..models.attention_maps import attention_maps, plot_attention_maps
 from ..models.saved import SavedModel
 from . import CKPT_HELP, UserError, check_output_path, load_any

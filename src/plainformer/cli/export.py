@@ -18,8 +18,8 @@ from typing import Any
 
 from ..checkpoint.format import load_checkpoint
 from ..families.family import Family, checkpoint_dir
+from ..gguf.writer import GGUF_TYPES
 from ..hf.directory import read_hf_config
-from ..hf.gguf import GGUF_TYPES
 from ..hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_peft_names, save_lora
 from ..models.saved import SavedModel
 from ..nn.lora import LoRALinear, unload_lora

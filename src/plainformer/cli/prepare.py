@@ -14,7 +14,7 @@ from typing import Any
 
 from ..data.corpus import VAL_FRACTION
 from ..data.prepared import prepare_lm_data
-from ..launch import log
+from ..log import log
 from . import fraction, positive_int
 
 TOKENIZERS = ("char", "bpe")

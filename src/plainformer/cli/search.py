@@ -16,7 +16,7 @@ from ..data.lm import default_cache_dir
 from ..families.bert import model_location
 from ..hf.bert import resolve_bert_path
 from ..hf.sentence import SentenceEncoder
-from ..launch import log
+from ..log import log
 from . import UserError, positive_int, utf8_text
 from .embed import DTYPES, add_encoder_arguments, load_encoder, save_npy
 

@@ -27,7 +27,7 @@ from ..families.memory_estimates import check_decoding_memory
 from ..generation.prefix_cache import default_capacity
 from ..hf.bert import MINILM_NAME
 from ..inference import for_decoding
-from ..launch import log
+from ..log import log
 from ..memory import format_size
 from ..nn.lora import unload_lora
 from ..serve.chat import TIMEOUT_S as TEMPLATE_TIMEOUT_S

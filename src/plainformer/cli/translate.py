@@ -11,7 +11,7 @@ from typing import Any
 
 from ..families.family import run_and_checkpoint
 from ..families.transformer import check_beam
-from ..inference.kernels import measure_kernels
+from ..inference.linear_kernels import measure_kernels
 from ..models.transformer import Transformer
 from . import (
     add_max_memory_argument,

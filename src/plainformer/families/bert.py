@@ -22,7 +22,7 @@ from ..errors import UserError
 from ..hf.auto import save_hf
 from ..hf.bert import MINILM_NAME
 from ..hf.sentence import load_bert
-from ..launch import log
+from ..log import log
 from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from ..training.config import TrainConfig
 from ..training.evaluation import accuracy, mean_loss

@@ -23,7 +23,7 @@ from ..config import Config
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..hf.directory import is_hf_directory
-from ..launch import log
+from ..log import log
 from ..memory import check_memory
 from ..models.saved import SavedModel, check_stored_parameters
 from ..nn.lora import LoRAConfig

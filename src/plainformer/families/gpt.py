@@ -19,11 +19,11 @@ from ..data.lm import LMBatchSource
 from ..data.prepared import prepare_lm_data
 from ..data.tokenizers import Tokenizer
 from ..errors import UserError
+from ..gguf.writer import save_gguf
 from ..hf.auto import load_hf, save_hf
 from ..hf.directory import is_hf_directory
-from ..hf.gguf import save_gguf
 from ..inference.quantize import quantize
-from ..launch import log
+from ..log import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.lora import unload_lora
 from ..training.evaluation import validation_loss

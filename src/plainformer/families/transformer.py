@@ -16,7 +16,7 @@ import torch
 from ..data.seq2seq import TASKS, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
-from ..launch import log
+from ..log import log
 from ..models.transformer import Transformer, TransformerConfig
 from ..training.evaluation import score_translations
 from .family import Family, Run, fit

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .kernels import measure_kernels
+from .linear_kernels import measure_kernels
 from .prepack import prepack, prepack_supported
 from .quantize import Int8Linear
 

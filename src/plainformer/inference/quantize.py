@@ -7,7 +7,7 @@ read. Whether that pays depends on the kernel the CPU has; `quantize` measures t
 
     fbgemm     torch's dynamic quantized linear (x quantized per tensor to 7 bits on the fly, an int8
                x int8 product, fp32 out): 12 GPT-2 layers, one row, in 4.5 ms against 10.3 ms for fp32
-               decoding's product (`inference.kernels`, oneDNN there) on a 2-core AMD EPYC with AVX-512; 4.8
+               decoding's product (`inference.linear_kernels`, oneDNN there) on a 2-core AMD EPYC with AVX-512; 4.8
                against 10.9 ms with AVX2 emulated; 11.8 against 31.9 ms (MKL) on an AVX2-only EPYC
     dequant    x (Q · s)ᵀ in fp32, the weight dequantized at every call: exact to Q, never faster than
                fp32, but it runs everywhere (GPUs, CPUs without fbgemm)
@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from ..nn.lora import refuse_lora_layers
 from ..nn.moe import MoEFeedForward
-from .kernels import linear
 from .layers import replace_linears
+from .linear_kernels import linear
 from .timing import fastest
 
 #: The kernels an `Int8Linear` runs on, fastest first where they exist.
@@ -87,7 +87,7 @@ def _fbgemm_pack(q: Tensor, scale: Tensor, bias: Tensor | None) -> object:
 
 def fastest_kernel(device: torch.device, log: Callable[[str], None] | None = None) -> str:
     """The int8 kernel for `device`: fbgemm where torch has it and it beats fp32 decoding's product
-    (`inference.kernels.linear`) over four GPT-2-sized layers, one row (`timing.fastest`, ~0.1 s), else dequant,
+    (`inference.linear_kernels.linear`) over four GPT-2-sized layers, one row (`timing.fastest`, ~0.1 s), else dequant,
     said once on `log` (default: stderr)."""
     log = log or (lambda line: print(line, file=sys.stderr))
     if device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines:

@@ -52,7 +52,7 @@ from ..config import (
 )
 from ..constants import IGNORE_INDEX
 from ..data.tokenizers import Tokenizer
-from ..generation.adapters import GPTDecoder
+from ..generation.decoders import GPTDecoder
 from ..generation.decoding import generate as generate_tokens
 from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators

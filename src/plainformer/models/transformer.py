@@ -29,8 +29,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .. import _checks
 from ..config import Config, checked, one_of, positive_int, probability
-from ..generation.adapters import SourceBoundDecoder
 from ..generation.beam_search import beam_search
+from ..generation.decoders import SourceBoundDecoder
 from ..generation.decoding import generate as generate_tokens
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder

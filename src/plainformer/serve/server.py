@@ -39,7 +39,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..launch import log
+from ..log import log
 from .limits import Connections
 from .protocol import APIError
 

@@ -58,11 +58,11 @@ from torch import Tensor
 from .. import _checks
 from ..data.tokenizers import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer
 from ..files.atomic import atomic_path
-from ..launch import log
+from ..hf.gpt import exported_state, state_to_hf, weight_map
+from ..hf.gpt_layouts import GPT2, LLAMA, MIXTRAL, QWEN3, Layout, layout_for
+from ..log import log
 from ..models.gpt import GPT, GPTConfig
 from ..nn.modes import eval_mode
-from .gpt import exported_state, state_to_hf, weight_map
-from .gpt_layouts import GPT2, LLAMA, MIXTRAL, QWEN3, Layout, layout_for
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 _ARCHITECTURES = {GPT2.model_type: "gpt2", LLAMA.model_type: "llama", MIXTRAL.model_type: "llama",

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from ..data.tokenizers import Tokenizer
-from .attention_maps import recorded_forward, visible
-from .gpt import GPT
-from .transformer import Transformer
+from ..models.attention_maps import recorded_forward, visible
+from ..models.gpt import GPT
+from ..models.transformer import Transformer
 
 DECIMALS = 3  # 1e-3 of a weight in [0, 1]: finer than a line's opacity or a heatmap cell can show
 PROBABILITY_DECIMALS = 6
@@ -149,4 +149,4 @@ def _script_safe_json(data: dict[str, Any]) -> str:
 
 @cache
 def _template(name: str) -> str:
-    return resources.files(__package__).joinpath("explorer", name).read_text(encoding="utf-8")
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")

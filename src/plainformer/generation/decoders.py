@@ -1,7 +1,7 @@
-"""Model adapters: a model as the decoding loops drive it (see `decoding.IncrementalDecoder`).
+"""Model decoders: a model as the decoding loops drive it (see `decoding.IncrementalDecoder`).
 
-Nothing here imports a model: an adapter reads the few attributes it names, so `models/` may build
-its adapters from here without an import cycle.
+Nothing here imports a model: a decoder reads the few attributes it names, so `models/` may build
+its decoders from here without an import cycle.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 "use strict";
-// The attention explorer. It reads the JSON of #attention-data (see plainformer/models/attention_html.py)
+// The attention explorer. It reads the JSON of #attention-data (see plainformer/explorer/page.py)
 // and draws A[l][h][i][j], the weight query i puts on key j in head h of layer l.
 
 const data = JSON.parse(document.getElementById("attention-data").textContent);

@@ -1,4 +1,4 @@
-"""plainformer.inference.kernels: x Wᵀ + b as torch.nn.Linear computes it, on every kernel decoding may use."""
+"""plainformer.inference.linear_kernels: x Wᵀ + b as torch.nn.Linear computes it, on every kernel decoding may use."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plainformer.inference.kernels import FEW_ROWS, KERNELS, MeasuredLinear, kernel_for, linear
+from plainformer.inference.linear_kernels import FEW_ROWS, KERNELS, MeasuredLinear, kernel_for, linear
 from tests.reference.torch_reference import assert_close
 
 
@@ -106,7 +106,7 @@ def test_gradients_flow_through_a_one_row_product():
 
 def test_measure_kernels_swaps_every_linear_sharing_its_weights():
     import plainformer as pf
-    from plainformer.inference.kernels import measure_kernels
+    from plainformer.inference.linear_kernels import measure_kernels
 
     torch.manual_seed(0)
     model = pf.GPT(pf.GPTConfig(vocab_size=20, block_size=8, n_layers=1, n_heads=2, d_model=16, d_ff=32)).eval()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.models.attention_html import attention_data, token_label, token_labels
+from plainformer.explorer.page import attention_data, token_label, token_labels
 from tests.reference.browser import headless_chromium, missing_browser
 
 ROUNDING = 0.5e-3  # the page's weights are rounded to 3 decimals

@@ -11,15 +11,15 @@ import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 
+import gguf
 import plainformer as pf
-from plainformer.hf.gguf import TANH_PROBE_TOKENS, save_gguf, tanh_gelu_effect
+from plainformer.gguf.writer import TANH_PROBE_TOKENS, save_gguf, tanh_gelu_effect
 from tests.reference.hf_gpt import TINY, _ours, _randomize
 from tests.reference.llama_cpp import llama_cpp, mean_log_likelihood
 

@@ -1,0 +1,1 @@
+"""llama.cpp's file format: a GPT in its Hugging Face layout written as one GGUF file (`writer.py`)."""
