@@ -54,7 +54,7 @@ from .rows import Row
 
 
 class BatchDecoder(Protocol):
-    """What the batcher drives: `adapters.GPTDecoder`."""
+    """What the batcher drives: `decoders.GPTDecoder`."""
 
     block_size: int
 
