@@ -319,7 +319,7 @@ class ContinuousBatcher:
             low, high = max(begin, width - len(job.prompt)), min(end, width - 1)
             if low < high:
                 chosen, top = per_row.logprobs(logits[r, low - begin:high - begin], group.ids[r, low + 1:high + 1],
-                                        job.prompt_logprobs)
+                                               job.prompt_logprobs)
                 scores[0].extend(chosen)
                 scores[1].extend(top)
 
