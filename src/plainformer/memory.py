@@ -8,7 +8,7 @@ an estimate (a model's bytes, a training run's, a decoding's) beyond it, naming 
 blame; `format_size` and `parse_size` write and read sizes (20.1 GB, 512MiB). `keep_freed_memory` asks
 the C library's malloc to keep what the process frees for its next allocations.
 
-What a model holds is counted by its class (models/saved.py); what it needs beyond that to train,
+What a model holds is counted by its class (models/family_model.py); what it needs beyond that to train,
 evaluate or decode, each family's formula, is estimated in families/memory_estimates.py.
 """
 

@@ -1,7 +1,7 @@
 """The memory estimates of families/memory_estimates.py: exact parameter, tensor and buffer counts against the models
 built, training activations against what autograd keeps, optimizer state against the optimizers', the
 largest beam that fits. The memory available and the refusal are tested in tests/test_memory.py, a model
-refused by its constructor in tests/models/test_saved.py."""
+refused by its constructor in tests/models/test_family_model.py."""
 
 from __future__ import annotations
 

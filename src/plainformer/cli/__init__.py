@@ -37,7 +37,7 @@ from ..families.family import Family, run_or_checkpoint_holding
 from ..launch import is_main_process, launch_from_env
 from ..log import log
 from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
-from ..models.saved import SavedModel
+from ..models.family_model import FamilyModel
 from ..training.distributed import RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
@@ -161,7 +161,7 @@ def utf8_text(raw: bytes, what: str) -> str:
 CKPT_HELP = "checkpoint directory, run directory (its best/, else last/) or Hugging Face directory"
 
 
-def load_any(path: Path) -> tuple[SavedModel, Family]:
+def load_any(path: Path) -> tuple[FamilyModel, Family]:
     """The model (with `.tokenizer`) of a Hugging Face directory or of a plainformer checkpoint or run,
     and its family: what `export` and `attention` take as --ckpt."""
     if not path.exists():

@@ -23,7 +23,7 @@ from ..explorer.page import DECIMALS, PROBABILITY_DECIMALS, attention_html, toke
 from ..families.family import Family
 from ..files.atomic import atomic_path
 from ..models.attention_maps import attention_maps, plot_attention_maps
-from ..models.saved import SavedModel
+from ..models.family_model import FamilyModel
 from . import CKPT_HELP, UserError, check_output_path, load_any
 
 
@@ -77,7 +77,7 @@ def _check_attention_outputs(args: argparse.Namespace) -> None:
             check_output_path(flag, path)
 
 
-def _attention_inputs(args: argparse.Namespace, model: SavedModel, family: Family,
+def _attention_inputs(args: argparse.Namespace, model: FamilyModel, family: Family,
                       tokenizer: Tokenizer) -> tuple[Tensor, Tensor | None]:
     """The ids whose attention is drawn: --text's, or --source's and BOS + --target's."""
     config: Any = model.config
@@ -96,7 +96,7 @@ def _attention_inputs(args: argparse.Namespace, model: SavedModel, family: Famil
     return torch.tensor(ids), None
 
 
-def _plot(args: argparse.Namespace, model: SavedModel, tokenizer: Tokenizer, idx: Tensor,
+def _plot(args: argparse.Namespace, model: FamilyModel, tokenizer: Tokenizer, idx: Tensor,
           tgt: Tensor | None) -> dict[str, Any]:
     weights = attention_maps(model, idx, tgt)
     keys = token_labels(tokenizer, idx.tolist())

@@ -21,7 +21,7 @@ from ..families.family import Family, checkpoint_dir
 from ..gguf.writer import GGUF_TYPES
 from ..hf.directory import read_hf_config
 from ..hf.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_peft_names, save_lora
-from ..models.saved import SavedModel
+from ..models.family_model import FamilyModel
 from ..nn.lora import LoRALinear, unload_lora
 from . import CKPT_HELP, UserError, check_output_path, load_any
 
@@ -62,7 +62,7 @@ def run_export(args: argparse.Namespace) -> dict[str, Any]:
         raise
 
 
-def _export_hf(args: argparse.Namespace, model: SavedModel, family: Family) -> dict[str, Any]:
+def _export_hf(args: argparse.Namespace, model: FamilyModel, family: Family) -> dict[str, Any]:
     tokenizer = model.tokenizer
     if family.export is None:
         raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")
@@ -86,7 +86,7 @@ def _export_format(args: argparse.Namespace) -> str:
     return form
 
 
-def _export_gguf(args: argparse.Namespace, model: SavedModel, family: Family) -> dict[str, Any]:
+def _export_gguf(args: argparse.Namespace, model: FamilyModel, family: Family) -> dict[str, Any]:
     if family.gguf is None:
         raise UserError(f"a {type(model).__name__} has no GGUF layout here; a GGUF export takes a GPT "
                         "(GPT-2 or Llama layout)")
@@ -97,7 +97,7 @@ def _export_gguf(args: argparse.Namespace, model: SavedModel, family: Family) ->
             "tokenizer": None if model.tokenizer is None else model.tokenizer.kind}
 
 
-def _export_adapter(args: argparse.Namespace, model: SavedModel, family: Family) -> dict[str, Any]:
+def _export_adapter(args: argparse.Namespace, model: FamilyModel, family: Family) -> dict[str, Any]:
     """A LoRA run's adapter alone, in PEFT's format, naming the base the run recorded."""
     if not any(isinstance(module, LoRALinear) for module in model.modules()):
         raise UserError(f"--adapter exports a LoRA run's adapter, and {args.ckpt} holds none "

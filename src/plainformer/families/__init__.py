@@ -13,7 +13,7 @@ from pathlib import Path
 from ..checkpoint.format import load_checkpoint
 from ..hf.auto import load_hf
 from ..hf.directory import is_hf_directory
-from ..models.saved import SavedModel
+from ..models.family_model import FamilyModel
 from .bert import BERT_CLS_FAMILY, BERT_FAMILY, BERT_MLM_FAMILY
 from .family import Family, checkpoint_dir, refuse_non_model
 from .finetuning import load_trained
@@ -36,7 +36,7 @@ def trained() -> list[Family]:
     return [family for family in FAMILIES.values() if family.train is not None]
 
 
-def load_model(path: str | os.PathLike) -> SavedModel:
+def load_model(path: str | os.PathLike) -> FamilyModel:
     """The model, in eval mode with its tokenizer as `.tokenizer`, of a plainformer checkpoint or run
     directory (its best/, else last/; a LoRA run's adapter on the base it names, checked by sha256) or of
     a Hugging Face GPT-2, Llama or BERT directory. Its family: `get(model.family)`."""

@@ -25,7 +25,7 @@ from ..files.json_file import read_json_object
 from ..hf.directory import is_hf_directory
 from ..log import log
 from ..memory import check_memory
-from ..models.saved import SavedModel, check_stored_parameters
+from ..models.family_model import FamilyModel, check_stored_parameters
 from ..nn.lora import LoRAConfig
 from ..training.config import TrainConfig
 from ..training.kernels import chosen_kernels, keep_kernels, run_kernels
@@ -67,7 +67,7 @@ class Family:
     """
 
     name: str
-    model: type[SavedModel]
+    model: type[FamilyModel]
     config: type[Config]
     data_fields: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
@@ -75,7 +75,7 @@ class Family:
     evaluate: Evaluator | None = None
     eval_options: tuple[str, ...] = ()
     finetune_fields: tuple[str, ...] = ()
-    from_base: Callable[[Path, Mapping[str, Any]], SavedModel] | None = None
+    from_base: Callable[[Path, Mapping[str, Any]], FamilyModel] | None = None
     head: tuple[str, ...] = ()
     export: Exporter | None = None
     gguf: GGUFExporter | None = None

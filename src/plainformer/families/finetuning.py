@@ -23,7 +23,7 @@ from ..errors import UserError
 from ..files.digest import directory_sha256
 from ..hf.bert import MINILM_NAME, minilm_path
 from ..hf.directory import is_hf_directory, read_hf_config
-from ..models.saved import SavedModel
+from ..models.family_model import FamilyModel
 from ..nn.lora import LoRAConfig, adapter_state_names, add_lora
 from .family import LORA_OPTIONS, Family, Run, checkpoint_dir
 
@@ -66,7 +66,7 @@ def lora_config(options: Mapping[str, Any], family: Family) -> LoRAConfig | None
         raise UserError(f"--lora-{error}") from None
 
 
-def starting_model(run: Run, **changes: Any) -> tuple[SavedModel, dict[str, Any] | None]:
+def starting_model(run: Run, **changes: Any) -> tuple[FamilyModel, dict[str, Any] | None]:
     """The model a fine-tuning run trains (with `.tokenizer`) and its adapter record (None when the run
     trains the whole model): --init's model with the run's model overrides and `changes`, LoRA layers
     added when the run has a LoRA; without one, every weight trains, also those of a LoRA run's model
@@ -93,7 +93,7 @@ def starting_model(run: Run, **changes: Any) -> tuple[SavedModel, dict[str, Any]
     return model, {"lora": lora.to_dict(), "base": base}
 
 
-def adapted_base(checkpoint: Checkpoint, family: Family) -> SavedModel:
+def adapted_base(checkpoint: Checkpoint, family: Family) -> FamilyModel:
     """The base model a LoRA checkpoint names, checked by its sha256, in the checkpoint's config, with
     LoRA layers as the checkpoint's adapter has them (their A and B as at the start of training)."""
     assert checkpoint.adapter is not None
@@ -117,13 +117,13 @@ def adapted_base(checkpoint: Checkpoint, family: Family) -> SavedModel:
     return model
 
 
-def _from_base(family: Family, directory: Path, changes: Mapping[str, Any]) -> SavedModel:
+def _from_base(family: Family, directory: Path, changes: Mapping[str, Any]) -> FamilyModel:
     if family.from_base is None:
         raise UserError(f"the {family.name} family has no pretrained models to fine-tune")
     return family.from_base(directory, changes)
 
 
-def load_trained(checkpoint: Checkpoint, family: Family) -> SavedModel:
+def load_trained(checkpoint: Checkpoint, family: Family) -> FamilyModel:
     """The model of a checkpoint of `family`, in eval mode with its tokenizer: a LoRA run's on its base."""
     if checkpoint.family != family.name or checkpoint.adapter is None:
         return family.model.from_loaded(checkpoint)  # which checks the family

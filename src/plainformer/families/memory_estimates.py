@@ -5,7 +5,7 @@ Where memory is handled, one concern a layer:
 
 - the base module plainformer/memory.py: the machine's memory, the limit (--max-memory), sizes written and
   read, and `check_memory`, the refusal that names the size to blame. It knows no model.
-- models/saved.py: what a model *holds*, counted on the meta device by its class (`SavedModel.footprint`,
+- models/family_model.py: what a model *holds*, counted on the meta device by its class (`FamilyModel.footprint`,
   with each family's `shallow` stack of one layer a kind) and priced by `model_bytes`: below this layer,
   because a model's constructor, a checkpoint's loader and Hugging Face's reader refuse a model too large
   before they build it.
@@ -58,10 +58,10 @@ from torch import nn
 from ..memory import MemoryBudgetError as MemoryBudgetError
 from ..memory import available_memory, available_phrase, check_memory, format_size
 from ..memory import memory_limit as memory_limit
+from ..models.family_model import TENSOR_OVERHEAD as TENSOR_OVERHEAD
+from ..models.family_model import FamilyModel, itemsize, model_class
+from ..models.family_model import Footprint as Footprint
 from ..models.gpt import GPT, moe_layer_count
-from ..models.saved import TENSOR_OVERHEAD as TENSOR_OVERHEAD
-from ..models.saved import Footprint as Footprint
-from ..models.saved import SavedModel, itemsize, model_class
 from ..models.transformer import EXTRA_OUTPUT_TOKENS, Transformer
 
 FLOAT32 = 4
@@ -290,7 +290,7 @@ def largest_beam(config: Any, sentences: int, source_len: int, held: int = 0) ->
 
 # ----------------------------------------------------------------------------- the checks at the boundaries
 
-def check_evaluation_memory(model: SavedModel, rows: int, seq_len: int | None = None) -> None:
+def check_evaluation_memory(model: FamilyModel, rows: int, seq_len: int | None = None) -> None:
     """A MemoryBudgetError when a forward pass over `rows` rows (--batch-size) of `seq_len` tokens (default:
     the model's context) would not fit the memory available beside `model`, loaded already."""
     held = held_bytes(model)

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from ..data.tokenizers import Tokenizer
 from ..files.atomic import atomic_path
+from ..models.family_model import check_model_memory
 from ..models.gpt import GPT, GPTConfig
-from ..models.saved import check_model_memory
 from .directory import HF_CONFIG, SAFETENSORS, check_hf_sizes, read_sharded_hf_weights, write_hf_config
 from .gpt_layouts import CONV1D, EMBEDDING, EXPERTS, GPT2, LAYOUTS, LINEAR, NORM, Layout, layout_for
 

@@ -33,7 +33,7 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
-from .saved import SavedModel, unchecked
+from .family_model import FamilyModel, unchecked
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
-def _one_layer_deep(cls: type[SavedModel], config: BertConfig) -> tuple[BertConfig, dict[str, int]]:
+def _one_layer_deep(cls: type[FamilyModel], config: BertConfig) -> tuple[BertConfig, dict[str, int]]:
     """BERT's `shallow`: one layer, counted n_layers times."""
     return unchecked(config, n_layers=1), {"layers.0": config.n_layers}
 
@@ -136,7 +136,7 @@ def bert_layer(config: BertConfig) -> EncoderLayer:
                         norm_eps=config.norm_eps, backend=config.backend, validate_args=False)
 
 
-class BertModel(SavedModel):
+class BertModel(FamilyModel):
     """The encoder: embeddings, n_layers post-LN `EncoderLayer`s and the [CLS] pooler.
 
     forward(input_ids (B, n), attention_mask (B, n) | None, token_type_ids (B, n) | None) -> BertOutput.
@@ -205,7 +205,7 @@ class BertMLMHead(nn.Module):
         return F.linear(h, word_embedding, self.bias)
 
 
-class BertForMaskedLM(SavedModel):
+class BertForMaskedLM(FamilyModel):
     """BERT with the masked-LM head. forward(...) -> (logits, loss | None).
 
     Without labels: logits (B, n, vocab_size) at every position, loss None.
@@ -246,7 +246,7 @@ class BertForMaskedLM(SavedModel):
         return logits, F.cross_entropy(at_least_float32(logits), labels[selected])
 
 
-class BertForSequenceClassification(SavedModel):
+class BertForSequenceClassification(FamilyModel):
     """BERT with a classifier on the pooled [CLS]. forward(...) -> (logits (B, n_labels), loss | None).
 
     labels (B,): class indices in [0, n_labels); the loss is their mean cross-entropy.

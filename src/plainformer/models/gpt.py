@@ -69,7 +69,7 @@ from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEnco
 from ..nn.previous_token import BigramEmbedding, TokenShift, previous_tokens
 from ..nn.rope import RotaryEmbedding, Rotation
 from ..nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
-from .saved import SavedModel, unchecked
+from .family_model import FamilyModel, unchecked
 
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 
@@ -242,7 +242,7 @@ def moe_layer_count(config: GPTConfig) -> int:
     return -(-(config.n_layers - config.first_dense_layers) // config.moe_every)
 
 
-class GPT(SavedModel):
+class GPT(FamilyModel):
     """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
 
     family = "gpt"

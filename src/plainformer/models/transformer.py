@@ -38,7 +38,7 @@ from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
 from ..nn.positional import check_even_d_model
-from .saved import SavedModel, unchecked
+from .family_model import FamilyModel, unchecked
 
 EXTRA_OUTPUT_TOKENS = 50  # translating stops here past the source length (Vaswani et al., section 6.1)
 
@@ -126,7 +126,7 @@ def _stack_options(config: TransformerConfig) -> dict[str, Any]:
                 validate_args=False)
 
 
-class Transformer(SavedModel):
+class Transformer(FamilyModel):
     """Encoder-decoder Transformer. forward(src (B, m), tgt_in (B, n), tgt_out (B, n) | None)
     -> (logits (B, n, tgt_vocab_size), label-smoothed loss | None)."""
 

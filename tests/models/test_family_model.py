@@ -1,4 +1,4 @@
-"""What every model family's class shares (models/saved.py): the constructor's opening (the config's
+"""What every model family's class shares (models/family_model.py): the constructor's opening (the config's
 type, then the model's bytes against the memory available, before anything is allocated), what a model
 holds counted on the meta device, the classes found by family, and checkpoints checked before a model
 is built from them."""
@@ -12,8 +12,8 @@ from torch import nn
 import plainformer as pf
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.families import memory_estimates as memory
-from plainformer.models import saved
-from plainformer.models.saved import SavedModel, block_matrices, check_stored_parameters, count, model_class
+from plainformer.models import family_model
+from plainformer.models.family_model import FamilyModel, block_matrices, check_stored_parameters, count, model_class
 from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
 
 CLASSES = [pf.GPT, pf.BertModel, pf.BertForMaskedLM, pf.BertForSequenceClassification, pf.Transformer]
@@ -83,14 +83,15 @@ class _Net(nn.Module):
 def test_each_tensor_is_counted_once_and_the_blocks_linear_weights_are_the_hidden_matrices():
     net = _Net()
     assert [p.shape for p in block_matrices(net)] == [(8, 4), (4, 8)]
-    assert count(net) == saved.Footprint(parameters=40 + 32 + 8 + 32, block_matrices=64, tensors=5,
-                                         buffer_bytes=9 * 4)
+    assert count(net) == family_model.Footprint(parameters=40 + 32 + 8 + 32, block_matrices=64, tensors=5,
+                                                buffer_bytes=9 * 4)
 
 
 def test_a_layer_named_in_times_counts_as_many_times_at_any_depth():
     wrapped = nn.Module()
     wrapped.inner = _Net()
-    expected = saved.Footprint(parameters=40 + 3 * 72, block_matrices=3 * 64, tensors=1 + 3 * 3 + 1, buffer_bytes=36)
+    expected = family_model.Footprint(parameters=40 + 3 * 72, block_matrices=3 * 64, tensors=1 + 3 * 3 + 1,
+                                      buffer_bytes=36)
     assert count(_Net(), {"blocks.0": 3}) == expected
     assert count(wrapped, {"blocks.0": 3}) == expected
 
@@ -99,7 +100,7 @@ def test_a_vocabulary_the_data_decides_later_counts_as_none():
     """A tied GPT's parameters grow by d_model per token of the vocabulary, so that of vocab_size=0 is
     what a built model of vocab_size V holds less V · d_model."""
     built = pf.GPT(pf.GPTConfig(**GPT_TINY))
-    unknown = pf.GPT.footprint(saved.unchecked(pf.GPTConfig(**GPT_TINY), vocab_size=0))
+    unknown = pf.GPT.footprint(family_model.unchecked(pf.GPTConfig(**GPT_TINY), vocab_size=0))
     V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
     assert unknown.parameters == sum(p.numel() for p in built.parameters()) - V * d
     assert unknown.tensors == len(list(built.parameters())) + len(list(built.buffers()))
@@ -110,14 +111,14 @@ def test_a_vocabulary_the_data_decides_later_counts_as_none_with_a_bigram_table_
     what one of vocab_size V holds less (2 V + V²) · d_model."""
     config = pf.GPTConfig(**GPT_TINY, bigram_embedding=True, tie_weights=False)
     built = pf.GPT(config)
-    unknown = pf.GPT.footprint(saved.unchecked(config, vocab_size=0))
+    unknown = pf.GPT.footprint(family_model.unchecked(config, vocab_size=0))
     V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
     assert unknown.parameters == sum(p.numel() for p in built.parameters()) - (2 * V + V * V) * d
 
 
 def test_an_unchecked_copy_changes_only_the_copy():
     config = pf.GPTConfig(**GPT_TINY)
-    copy = saved.unchecked(config, n_layers=0)
+    copy = family_model.unchecked(config, n_layers=0)
     assert (copy.n_layers, config.n_layers) == (0, GPT_TINY["n_layers"])
 
 
@@ -134,9 +135,9 @@ def test_a_class_is_found_by_its_family_or_by_its_configs_type():
 
 
 def test_a_new_class_naming_a_family_is_found_by_it_and_the_first_of_a_name_stays(monkeypatch):
-    monkeypatch.setattr(saved, "_CLASSES", dict(saved._CLASSES))  # the registry as it was, after the test
+    monkeypatch.setattr(family_model, "_CLASSES", dict(family_model._CLASSES))  # the registry, restored after the test
 
-    class Toy(SavedModel):
+    class Toy(FamilyModel):
         family = "toy"
         config_class = pf.GPTConfig
 
@@ -147,6 +148,11 @@ def test_a_new_class_naming_a_family_is_found_by_it_and_the_first_of_a_name_stay
     assert model_class(config, "toy") is Toy
     assert model_class(config) is pf.GPT  # the first class of a GPTConfig
 
+
+
+def test_the_old_name_saved_model_is_the_same_class():
+    assert family_model.SavedModel is FamilyModel
+    assert all(issubclass(cls, family_model.SavedModel) for cls in CLASSES)
 
 # ----------------------------------------------------------------------------- from a checkpoint
 

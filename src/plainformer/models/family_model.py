@@ -1,6 +1,6 @@
 """What every model family's class shares.
 
-- The constructor's opening, `SavedModel.__init__(config)`: the config's type checked, the model's
+- The constructor's opening, `FamilyModel.__init__(config)`: the config's type checked, the model's
   bytes checked against the memory available before anything is allocated, `config` and `tokenizer` set.
 - What a model of a config holds, counted, not restated: `footprint(config)` builds the model on the
   meta device (no memory) and counts its parameters and buffers, each tensor once (a tied head is the
@@ -41,7 +41,7 @@ from ..memory import check_memory
 
 TENSOR_OVERHEAD = 2048  # bytes per tensor beyond its elements: the Python objects (see the docstring)
 
-_CLASSES: dict[str, type[SavedModel]] = {}  # family name -> its class, in the order they are defined
+_CLASSES: dict[str, type[FamilyModel]] = {}  # family name -> its class, in the order they are defined
 _counting: contextvars.ContextVar[bool] = contextvars.ContextVar("counting", default=False)  # inside `footprint`
 
 
@@ -103,7 +103,7 @@ def unchecked(config: Any, **changes: Any) -> Any:
     return changed
 
 
-def model_class(config: Any, family: str | None = None) -> type[SavedModel]:
+def model_class(config: Any, family: str | None = None) -> type[FamilyModel]:
     """The class of `family` (default: the first class defined for the config's type, BertModel for a
     BertConfig); a ValueError naming the families when there is none."""
     if family is None:
@@ -118,7 +118,7 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-class SavedModel(nn.Module):
+class FamilyModel(nn.Module):
     """A model family's class: `family` is the name its checkpoints carry, `config_class` its config."""
 
     family: ClassVar[str]
@@ -199,13 +199,17 @@ class SavedModel(nn.Module):
         return model.eval()
 
 
+# The class's name until issue 47 (it is every family's base, saved or not): code that imported it keeps working.
+SavedModel = FamilyModel
+
+
 def check_model_memory(config: Any, family: str | None = None) -> None:
     """A MemoryBudgetError when the model of `config` would not fit the memory available: what the
     constructors (and a reader of a config.json, before the weights) call before they build anything."""
     _check_fits(model_class(config, family), config)
 
 
-def _check_fits(cls: type[SavedModel], config: Any) -> None:
+def _check_fits(cls: type[FamilyModel], config: Any) -> None:
     if torch.get_default_device().type != "meta":  # on the meta device nothing is allocated
         check_memory("the model needs ~{needed} for its parameters and buffers", cls.model_bytes, config)
 
