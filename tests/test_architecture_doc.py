@@ -1,9 +1,9 @@
-"""docs/architecture.md and the README's map say what tests/test_layering.py enforces.
+"""docs/architecture.md, the README's map and CONTRIBUTING.md say what tests/test_layering.py enforces.
 
-The layer order is stated once, as `LAYERS`; these tests hold the prose to it: both numbered lists name its
-layers in its order, the architecture's table of imports is what the modules import, its pairs of
-independent layers are exactly those the imports leave unordered, and its section of each layer names every
-module of that layer.
+The layer order is stated once, as `LAYERS`; these tests hold the prose to it: both numbered lists and
+CONTRIBUTING's paragraph on layering name its layers in its order, the architecture's table of imports is what
+the modules import, its pairs of independent layers are exactly those the imports leave unordered, and its
+section of each layer names every module of that layer.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tests.test_layering import LAYERS, PACKAGE, layer_imports
 ROOT = PACKAGE.parents[1]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CONTRIBUTING = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
 NAME = re.compile(r"`([\w.]+(?:/|\.py))`")  # a folder (`nn/`) or a module (`recipes.py`), as the docs write them
 
 
@@ -66,6 +67,12 @@ def test_architecture_lists_the_layers_in_the_order_the_layering_test_enforces()
 
 def test_readme_map_lists_the_layers_in_the_order_the_layering_test_enforces() -> None:
     _check_layer_list(README, "Architecture map")
+
+
+def test_contributing_names_the_layers_in_the_order_the_layering_test_enforces() -> None:
+    paragraph = _section(CONTRIBUTING, "Layering").strip().split("\n\n")[0]
+    assert _names(paragraph) == [name for names in LAYERS for name in names], \
+        "CONTRIBUTING.md's paragraph under 'Layering' is not tests/test_layering.py's LAYERS, in order"
 
 
 def test_architecture_table_of_imports_is_what_each_layer_imports() -> None:
