@@ -139,3 +139,22 @@ def test_a_window_that_hides_no_key_is_dropped():
     assert AttentionMask.build(3, 3, is_causal=True, window=3).window is None  # query 2 sees keys 0 .. 2
     assert AttentionMask.build(1, 4, is_causal=True, cached=3, window=4) == AttentionMask.build(1, 4, cached=3)
     assert AttentionMask.build(4, 4, is_causal=True, window=3).window == 3
+
+
+@pytest.mark.parametrize("n, m, cached", [(7, 7, 0), (3, 8, 5), (2, 4, 2), (1, 6, 5), (5, 3, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 2, 3])
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_rows_see_a_key_only_where_no_row_of_the_hand_built_mask_is_empty(n, m, cached, causal, window,
+                                                                         with_padding):
+    """The plain softmax's licence: claimed only where every query keeps a key (a padding mask may hide a row)."""
+    padding = torch.zeros(B, m, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True) if with_padding else None
+    allowed = _by_hand(n, m, cached, causal, padding, None)
+    if window is not None:
+        position = cached + torch.arange(n)[:, None]
+        allowed = allowed & (torch.arange(m)[None, :] > position - window)
+    mask = AttentionMask.build(n, m, is_causal=causal, cached=cached, key_padding_mask=padding, window=window)
+    if mask.rows_see_a_key:
+        assert allowed.any(dim=-1).all()
+    if not with_padding and (window is None or cached + n <= m):
+        assert mask.rows_see_a_key  # the cases a model's own self-attention meets take the fused softmax

@@ -165,8 +165,8 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dro
     if additive is not None:
         scores = scores.add_(additive)
     # why: torch's softmax is one fused kernel; the guarded one is needed only where a row may see
-    # no key, which causality alone never causes (query i sees key 0)
-    weights = torch.softmax(scores, dim=-1) if mask.only_causal else _masked_softmax(scores)
+    # no key, which causality, ALiBi and a causal window never cause
+    weights = torch.softmax(scores, dim=-1) if mask.rows_see_a_key else _masked_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights  # (..., n, d_v), (..., n, m)

@@ -113,6 +113,21 @@ class AttentionMask:
         return (self.key_padding is None and self.attn_mask is None and self.window is None and self.alibi is None
                 and (not self.is_causal or self.offset == 0))
 
+    @property
+    def rows_see_a_key(self) -> bool:
+        """Every query sees at least one key, so a plain softmax needs no guard against all -inf rows.
+
+        Causality alone leaves key 0 to every query, and ALiBi only biases. A window leaves query i the keys
+        j in (i + P - w, i + P], none past m - 1: the last query's range is empty only if P + n - w >= m,
+        never in self-attention (m = P + n). A padding mask or the user's mask may hide a whole row.
+        """
+        if self.key_padding is not None or self.attn_mask is not None:
+            return False
+        if self.window is None or self.dense is None:
+            return True
+        n, m = self.dense.shape[-2:]
+        return self.offset + n < m + self.window
+
     def dense_for(self, dtype: torch.dtype) -> Tensor | None:
         """`dense` with an additive mask in the scores' dtype (boolean masks are kept)."""
         if self.dense is None or self.dense.dtype == torch.bool:
