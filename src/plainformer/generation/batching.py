@@ -83,7 +83,7 @@ class _Prefill:
 
 #: The prompt tokens (padding included) the server admits to one prefill: the prompts past them wait for the
 #: next, so that the first of many waiting prompts get their first tokens after one pass, not after all of
-#: them (docs/experiments.md, "Serving under load").
+#: them (docs/performance.md, "Serving under load").
 PREFILL_TOKENS = 128
 
 
