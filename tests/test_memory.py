@@ -1,6 +1,7 @@
 """The memory this process may use and refusing what would not fit it (memory.py): the machine's
 MemAvailable lowered by RLIMIT_AS, a --max-memory limit in its place, a refusal naming the size to blame,
-sizes written and read (20.1 GB, 512MiB), and the allocator kept from returning freed memory."""
+sizes written and read (20.1 GB, 512MiB), what a model holds counted on the meta device, and the
+allocator kept from returning freed memory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import plainformer as pf
 from plainformer import memory
@@ -164,6 +166,68 @@ def test_a_size_is_written_for_a_reader(nbytes, text):
 def test_a_bad_size_message_quotes_what_was_given(text):
     with pytest.raises(ValueError, match=rf", got {text!r}$"):
         memory.parse_size(text)
+
+
+# ----------------------------------------------------------------------------- what a model holds
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4, bias=False)
+
+
+class _Net(nn.Module):
+    """An embedding (10 x 4), one block (4 x 8 + 8, 8 x 4), a head tied to the embedding, a 3 x 3 buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList([_Block()])
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embedding.weight
+        self.register_buffer("mask", torch.ones(3, 3))
+
+
+def test_each_tensor_is_counted_once_and_the_blocks_linear_weights_are_the_hidden_matrices():
+    net = _Net()
+    assert [p.shape for p in memory.block_matrices(net)] == [(8, 4), (4, 8)]
+    assert memory.count(net) == memory.Footprint(parameters=40 + 32 + 8 + 32, block_matrices=64, tensors=5,
+                                                buffer_bytes=9 * 4)
+
+
+def test_a_layer_named_in_times_counts_as_many_times_at_any_depth():
+    wrapped = nn.Module()
+    wrapped.inner = _Net()
+    expected = memory.Footprint(parameters=40 + 3 * 72, block_matrices=3 * 64, tensors=1 + 3 * 3 + 1,
+                                      buffer_bytes=36)
+    assert memory.count(_Net(), {"blocks.0": 3}) == expected
+    assert memory.count(wrapped, {"blocks.0": 3}) == expected
+
+
+def test_a_vocabulary_the_data_decides_later_counts_as_none():
+    """A tied GPT's parameters grow by d_model per token of the vocabulary, so that of vocab_size=0 is
+    what a built model of vocab_size V holds less V · d_model."""
+    built = pf.GPT(pf.GPTConfig(**GPT_TINY))
+    unknown = memory.footprint(pf.GPT, memory.unchecked(pf.GPTConfig(**GPT_TINY), vocab_size=0))
+    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
+    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - V * d
+    assert unknown.tensors == len(list(built.parameters())) + len(list(built.buffers()))
+
+
+def test_a_vocabulary_the_data_decides_later_counts_as_none_with_a_bigram_table_of_its_square():
+    """A bigram table holds V² · d_model parameters: with an untied head, the model of vocab_size=0 holds
+    what one of vocab_size V holds less (2 V + V²) · d_model."""
+    config = pf.GPTConfig(**GPT_TINY, bigram_embedding=True, tie_weights=False)
+    built = pf.GPT(config)
+    unknown = memory.footprint(pf.GPT, memory.unchecked(config, vocab_size=0))
+    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
+    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - (2 * V + V * V) * d
+
+
+def test_an_unchecked_copy_changes_only_the_copy():
+    config = pf.GPTConfig(**GPT_TINY)
+    copy = memory.unchecked(config, n_layers=0)
+    assert (copy.n_layers, config.n_layers) == (0, GPT_TINY["n_layers"])
 
 
 # ----------------------------------------------------------------------------- the allocator

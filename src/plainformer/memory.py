@@ -8,7 +8,19 @@ an estimate (a model's bytes, a training run's, a decoding's) beyond it, naming 
 blame; `format_size` and `parse_size` write and read sizes (20.1 GB, 512MiB). `keep_freed_memory` asks
 the C library's malloc to keep what the process frees for its next allocations.
 
-What a model holds is counted by its class (models/family_model.py); what it needs beyond that to train,
+What a model holds is counted here too, from its class and config, before anything is allocated
+(`footprint`, `model_bytes`): the class builds its model on the meta device (no memory), with each stack
+of identical layers one layer deep (the class's `shallow`), and its tensors are counted, each once (a tied
+head is the embedding), a stack's layer as many times as the stack is deep, so that a config of
+n_layers=10**6 is counted, and refused, at once:
+
+    bytes = P · s + buffers + N_tensors · 2 kB         s = the bytes of an element (4 in float32)
+
+2 kB per tensor is what the Python objects of a tiny tensor and its module measured (about 2.7 kB), which
+is what a 100,000-layer model of tiny widths mostly costs. Building briefly holds a little more: the
+float64 tables the positional buffers are computed from, an output projection before it is tied. It sits
+in this bottom layer because the models' constructors, a checkpoint's loader and Hugging Face's reader
+refuse a model too large before they build it. What a model needs beyond what it holds, to train,
 evaluate or decode, each family's formula, is estimated in families/memory_estimates.py.
 """
 
@@ -23,11 +35,12 @@ import decimal
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import _checks
 
@@ -136,8 +149,7 @@ def _blamed_field(estimate: Callable[..., int], configs: tuple[Any, ...], needed
             value, default = getattr(config, field.name), field.default
             if not _checks.is_int(value) or not (default is None or _checks.is_int(default) and value > default):
                 continue
-            trial = copy.copy(config)  # unchecked: a default may not fit the other fields' rules
-            setattr(trial, field.name, default)
+            trial = unchecked(config, **{field.name: default})  # a default may not fit the other fields' rules
             try:
                 lowered = estimate(*configs[:position], trial, *configs[position + 1:])
             except (TypeError, ValueError, ZeroDivisionError, RuntimeError):  # a None default where a number is
@@ -179,6 +191,101 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"a size must be at least 1 byte, got {text!r}")
     return size
+
+
+# ----------------------------------------------------------------------------- what a model holds
+
+TENSOR_OVERHEAD = 2048  # bytes per tensor beyond its elements: the Python objects (see the docstring)
+
+
+@dataclasses.dataclass
+class Footprint:
+    """What a model holds: its parameters (each counted once), those of them that are the 2-D weights of
+    linear layers inside the blocks (what Muon trains), its tensors (parameters and buffers) and the
+    bytes of its buffers."""
+
+    parameters: int = 0
+    block_matrices: int = 0
+    tensors: int = 0
+    buffer_bytes: int = 0
+
+
+def block_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The hidden matrices Muon trains: 2-D weights of nn.Linear modules that sit inside an
+    nn.ModuleList (the blocks), never an embedding (so not a head tied to one)."""
+    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)  # and, later, the ones taken
+            for p in m.parameters(recurse=False)}
+    hidden = []
+    for stack in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+        for linear in (m for m in stack.modules() if isinstance(m, nn.Linear)):
+            p = linear.weight
+            if p.requires_grad and p.ndim == 2 and id(p) not in skip:
+                skip.add(id(p))
+                hidden.append(p)
+    return hidden
+
+
+def count(model: nn.Module, times: Mapping[str, int] | None = None) -> Footprint:
+    """What `model` holds, each tensor once; the tensors of a submodule named in `times` ("blocks.0",
+    at any depth: "layers.0" is "bert.layers.0" too) count `times[name]` times."""
+    times = times or {}
+    hidden = {id(p) for p in block_matrices(model)}
+    found = Footprint()
+    seen: set[int] = set()
+    named: list[tuple[str, torch.Tensor, bool]] = [(name, t, False) for name, t in model.named_parameters()]
+    named += [(name, t, True) for name, t in model.named_buffers()]
+    for name, tensor, is_buffer in named:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        copies = next((n for key, n in times.items() if f".{key}." in f".{name}"), 1)
+        found.tensors += copies
+        if is_buffer:
+            found.buffer_bytes += copies * tensor.numel() * tensor.element_size()
+        else:
+            found.parameters += copies * tensor.numel()
+            found.block_matrices += copies * tensor.numel() if id(tensor) in hidden else 0
+    return found
+
+
+def unchecked(config: Any, **changes: Any) -> Any:
+    """A copy of `config` with `changes`, not validated again (a shallow stack of a deep config's layers)."""
+    changed = copy.copy(config)
+    for name, value in changes.items():
+        setattr(changed, name, value)
+    return changed
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def footprint(model_class: Any, config: Any) -> Footprint:
+    """What `model_class(config)` holds, counted on the meta device, its stacks one layer deep as
+    `model_class.shallow(config)` gives them (a config, and how many times each of its layers counts).
+
+    A vocabulary size of 0 (one the data decides, not known yet) is no model to build: what it holds is a
+    polynomial of degree at most 2 in that size (quadratic with GPT's bigram table), so it is counted at
+    three sizes a, 2a and 3a past every special id, f(0) = 3 f(a) - 3 f(2a) + f(3a)."""
+    unknown = [f.name for f in dataclasses.fields(config)
+               if f.name.endswith("vocab_size") and getattr(config, f.name) == 0]
+    if unknown:
+        ids = (getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("_id"))
+        a = 1 + max((i for i in ids if _checks.is_int(i)), default=0)
+        counted = [footprint(model_class, unchecked(config, **dict.fromkeys(unknown, k * a))) for k in (1, 2, 3)]
+        one, two, three = map(dataclasses.astuple, counted)
+        return Footprint(*(3 * x - 3 * y + z for x, y, z in zip(one, two, three, strict=True)))
+    built, times = model_class.shallow(config)
+    with torch.device("meta"):
+        model = model_class(built)
+    return count(model, times)
+
+
+def model_bytes(model_class: Any, config: Any, dtype: torch.dtype = torch.float32) -> int:
+    """The bytes of `model_class(config)` with its parameters in `dtype`: parameters, buffers (as built)
+    and the per-tensor overhead."""
+    f = footprint(model_class, config)
+    return f.parameters * itemsize(dtype) + f.buffer_bytes + f.tensors * TENSOR_OVERHEAD
 
 
 # ----------------------------------------------------------------------------- the allocator

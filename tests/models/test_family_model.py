@@ -1,19 +1,17 @@
 """What every model family's class shares (models/family_model.py): the constructor's opening (the config's
-type, then the model's bytes against the memory available, before anything is allocated), what a model
-holds counted on the meta device, the classes found by family, and checkpoints checked before a model
-is built from them."""
+type, then the model's bytes against the memory available, before anything is allocated), the classes
+found by family, and checkpoints checked before a model is built from them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import plainformer as pf
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.families import memory_estimates as memory
 from plainformer.models import family_model
-from plainformer.models.family_model import FamilyModel, block_matrices, check_stored_parameters, count, model_class
+from plainformer.models.family_model import FamilyModel, check_stored_parameters, model_class
 from tests.reference.tiny_models import BERT_TINY, GPT_TINY, SEQ2SEQ_TINY
 
 CLASSES = [pf.GPT, pf.BertModel, pf.BertForMaskedLM, pf.BertForSequenceClassification, pf.Transformer]
@@ -58,68 +56,6 @@ def test_a_model_too_big_for_the_memory_is_refused_naming_the_field_before_it_is
 def test_nothing_is_refused_on_the_meta_device():
     with memory.memory_limit(1), torch.device("meta"):
         assert pf.GPT(pf.GPTConfig(**GPT_TINY)).token_embedding.weight.is_meta
-
-
-# ----------------------------------------------------------------------------- counting
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4, bias=False)
-
-
-class _Net(nn.Module):
-    """An embedding (10 x 4), one block (4 x 8 + 8, 8 x 4), a head tied to the embedding, a 3 x 3 buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(10, 4)
-        self.blocks = nn.ModuleList([_Block()])
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.embedding.weight
-        self.register_buffer("mask", torch.ones(3, 3))
-
-
-def test_each_tensor_is_counted_once_and_the_blocks_linear_weights_are_the_hidden_matrices():
-    net = _Net()
-    assert [p.shape for p in block_matrices(net)] == [(8, 4), (4, 8)]
-    assert count(net) == family_model.Footprint(parameters=40 + 32 + 8 + 32, block_matrices=64, tensors=5,
-                                                buffer_bytes=9 * 4)
-
-
-def test_a_layer_named_in_times_counts_as_many_times_at_any_depth():
-    wrapped = nn.Module()
-    wrapped.inner = _Net()
-    expected = family_model.Footprint(parameters=40 + 3 * 72, block_matrices=3 * 64, tensors=1 + 3 * 3 + 1,
-                                      buffer_bytes=36)
-    assert count(_Net(), {"blocks.0": 3}) == expected
-    assert count(wrapped, {"blocks.0": 3}) == expected
-
-
-def test_a_vocabulary_the_data_decides_later_counts_as_none():
-    """A tied GPT's parameters grow by d_model per token of the vocabulary, so that of vocab_size=0 is
-    what a built model of vocab_size V holds less V · d_model."""
-    built = pf.GPT(pf.GPTConfig(**GPT_TINY))
-    unknown = pf.GPT.footprint(family_model.unchecked(pf.GPTConfig(**GPT_TINY), vocab_size=0))
-    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
-    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - V * d
-    assert unknown.tensors == len(list(built.parameters())) + len(list(built.buffers()))
-
-
-def test_a_vocabulary_the_data_decides_later_counts_as_none_with_a_bigram_table_of_its_square():
-    """A bigram table holds V² · d_model parameters: with an untied head, the model of vocab_size=0 holds
-    what one of vocab_size V holds less (2 V + V²) · d_model."""
-    config = pf.GPTConfig(**GPT_TINY, bigram_embedding=True, tie_weights=False)
-    built = pf.GPT(config)
-    unknown = pf.GPT.footprint(family_model.unchecked(config, vocab_size=0))
-    V, d = GPT_TINY["vocab_size"], GPT_TINY["d_model"]
-    assert unknown.parameters == sum(p.numel() for p in built.parameters()) - (2 * V + V * V) * d
-
-
-def test_an_unchecked_copy_changes_only_the_copy():
-    config = pf.GPTConfig(**GPT_TINY)
-    copy = family_model.unchecked(config, n_layers=0)
-    assert (copy.n_layers, config.n_layers) == (0, GPT_TINY["n_layers"])
 
 
 # ----------------------------------------------------------------------------- the classes, by family

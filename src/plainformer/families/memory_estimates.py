@@ -4,11 +4,11 @@ family's formula, stated once, and the checks the commands call at their boundar
 Where memory is handled, one concern a layer:
 
 - the base module plainformer/memory.py: the machine's memory, the limit (--max-memory), sizes written and
-  read, and `check_memory`, the refusal that names the size to blame. It knows no model.
-- models/family_model.py: what a model *holds*, counted on the meta device by its class (`FamilyModel.footprint`,
-  with each family's `shallow` stack of one layer a kind) and priced by `model_bytes`: below this layer,
-  because a model's constructor, a checkpoint's loader and Hugging Face's reader refuse a model too large
-  before they build it.
+  read, `check_memory`, the refusal that names the size to blame, and what a model *holds*, counted on
+  the meta device from its class (`footprint`, with the class's `shallow` stack of one layer a kind) and
+  priced by `model_bytes`: in the bottom layer, because a model's constructor, a checkpoint's loader and
+  Hugging Face's reader refuse a model too large before they build it. A model file holds no arithmetic
+  of memory: its class says only how its stacks are shallowed.
 - here, above the models: what a model *keeps while it runs*, training, evaluating, sampling, translating:
   arithmetic on the config's sizes. The shared blocks' terms first (attention, FFN, norms), then each
   family's sums, registered once by its family's name in `TRAINING_ACTIVATIONS` and `OUTPUT_VOCAB`, then
@@ -54,13 +54,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..memory import TENSOR_OVERHEAD as TENSOR_OVERHEAD
+from ..memory import Footprint as Footprint
+
 # The memory available, the refusal and sizes live in plainformer/memory.py; importable from here too.
 from ..memory import MemoryBudgetError as MemoryBudgetError
-from ..memory import available_memory, available_phrase, check_memory, format_size
+from ..memory import available_memory, available_phrase, check_memory, format_size, itemsize
 from ..memory import memory_limit as memory_limit
-from ..models.family_model import TENSOR_OVERHEAD as TENSOR_OVERHEAD
-from ..models.family_model import FamilyModel, itemsize, model_class
-from ..models.family_model import Footprint as Footprint
+from ..models.family_model import FamilyModel, model_class
 from ..models.gpt import GPT, moe_layer_count
 from ..models.transformer import EXTRA_OUTPUT_TOKENS, Transformer
 

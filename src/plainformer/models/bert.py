@@ -27,13 +27,14 @@ from .. import _checks
 from ..config import Config, one_of, positive_int, positive_number, probability
 from ..constants import IGNORE_INDEX
 from ..data.tokenizers import Tokenizer
+from ..memory import unchecked
 from ..nn.attention import BACKENDS
 from ..nn.blocks import EncoderLayer
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.masks import AttentionMask
 from ..nn.positional import LearnedPositionalEmbedding
-from .family_model import FamilyModel, unchecked
+from .family_model import FamilyModel
 
 
 @dataclasses.dataclass

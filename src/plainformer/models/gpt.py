@@ -57,6 +57,7 @@ from ..generation.decoding import generate as generate_tokens
 from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators
 from ..generation.stopping import StopStrings
+from ..memory import unchecked
 from ..nn.attention import BACKENDS, MultiHeadAttention, check_softcap_backend
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
@@ -69,7 +70,7 @@ from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEnco
 from ..nn.previous_token import BigramEmbedding, TokenShift, previous_tokens
 from ..nn.rope import RotaryEmbedding, Rotation
 from ..nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
-from .family_model import FamilyModel, unchecked
+from .family_model import FamilyModel
 
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 

@@ -32,13 +32,14 @@ from ..config import Config, checked, one_of, positive_int, probability
 from ..generation.beam_search import beam_search
 from ..generation.decoders import SourceBoundDecoder
 from ..generation.decoding import generate as generate_tokens
+from ..memory import unchecked
 from ..nn.attention import BACKENDS
 from ..nn.blocks import Decoder, DecoderCache, Encoder
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.modes import eval_mode
 from ..nn.positional import check_even_d_model
-from .family_model import FamilyModel, unchecked
+from .family_model import FamilyModel
 
 EXTRA_OUTPUT_TOKENS = 50  # translating stops here past the source length (Vaswani et al., section 6.1)
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..models.family_model import block_matrices
+from ..memory import block_matrices
 from .config import TrainConfig
 from .precision import native_bf16
 
