@@ -7,6 +7,11 @@ import subprocess
 
 import pytest
 
+# why: nothing is downloaded at run time; set before any test module imports huggingface_hub (which reads it
+# once) and inherited by every process a test starts, so that no test can wait on a network CI lacks
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 
 def _tmpfs(tmp_path, options: str):
     mount = tmp_path / "disk"

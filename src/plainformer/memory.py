@@ -50,6 +50,7 @@ except ImportError:  # not on Windows: no RLIMIT_AS to honour there
     resource = None  # type: ignore[assignment]
 
 _limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("plainformer_memory_limit", default=None)
+_counting: contextvars.ContextVar[bool] = contextvars.ContextVar("plainformer_counting", default=False)
 
 
 class MemoryBudgetError(ValueError):
@@ -276,9 +277,19 @@ def footprint(model_class: Any, config: Any) -> Footprint:
         one, two, three = map(dataclasses.astuple, counted)
         return Footprint(*(3 * x - 3 * y + z for x, y, z in zip(one, two, three, strict=True)))
     built, times = model_class.shallow(config)
-    with torch.device("meta"):
-        model = model_class(built)
+    token = _counting.set(True)
+    try:
+        with torch.device("meta"):
+            model = model_class(built)
+    finally:
+        _counting.reset(token)
     return count(model, times)
+
+
+def counting() -> bool:
+    """Whether this is `footprint`'s own build of a model, of a config its constructor checked already:
+    a constructor checks nothing again then."""
+    return _counting.get()
 
 
 def model_bytes(model_class: Any, config: Any, dtype: torch.dtype = torch.float32) -> int:

@@ -56,8 +56,9 @@ class FamilyModel(nn.Module):
         allocated: not on the meta device, where nothing is) and keeps it; `tokenizer` is None until
         from_checkpoint or load_hf sets it."""
         super().__init__()
-        _checks.check_type("config", config, self.config_class)
-        _check_fits(type(self), config)
+        if not memory.counting():  # `memory.footprint`'s own build, of a config its constructor checked
+            _checks.check_type("config", config, self.config_class)
+            _check_fits(type(self), config)
         self.config = config
         self.tokenizer = None
 
