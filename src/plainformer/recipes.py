@@ -112,11 +112,8 @@ _DEFAULT_TRAINING = dict(batch_size=16, optimizer="muon", muon_lr=0.02, lr=2e-3,
                          beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=1000, eval_batches=40)
 
 # The default's shapes, by the machine's matmul rate in the dtype it trains in (1024^3 products): 4 x 256
-# where a 200 s run fits well over the ~600 steps it needs (the fastest AMX Xeons, up to 1150 GFLOP/s in bf16);
-# 3 x 128 below, which fits ~1,100 steps in fp32 on an AVX2-only AMD (113-150 GFLOP/s) and learned more there
-# in 200 s than 4 x 256 (by 0.17), 3 x 192, 3 x 160, 4 x 128 or 6 x 128, as much as 3 x 96; and in bf16 on a
-# Zen 4 AMD without AMX (440 GFLOP/s) 2,023 steps to 1.528 against 4 x 256's 602 steps to 1.577; 4 x 256 reached
-# 1.56-1.59 on AMX Xeons at 340-600 GFLOP/s (docs/experiments.md).
+# where a 200 s run fits well over the ~600 steps it needs, 3 x 128 below, where it learned more in 200 s than
+# any other shape tried (the measurements: docs/experiments.md, "The shape").
 _DEFAULT_SHAPES = (Shape("4x256", 600.0, {}, {}),
                    Shape("3x128", 0.0, dict(n_layers=3, d_model=128, d_ff=344), {}))
 
