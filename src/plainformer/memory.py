@@ -312,8 +312,8 @@ def keep_freed_memory() -> bool:
 
     torch's CPU tensors come from malloc. By default glibc maps a block of more than 128 KiB (more once
     such blocks were freed) afresh from the OS and returns the free top of its heaps to the OS, so each
-    training step's activations of a few MiB touch new pages: 2,600 page faults a step for nanogpt-cpu in
-    bf16 and 5,500 for the default, 7-15 ms of kernel time a step (a 2-core AMD EPYC). Blocks of up to
+    training step's activations of a few MiB touch new pages: thousands of page faults a step, and their
+    kernel time (measured: docs/performance.md, "Choices inside the code"). Blocks of up to
     MMAP_THRESHOLD bytes from the heap and no trimming take that to a few faults a step; the process holds
     on to its peak instead, as PyTorch's CUDA allocator does. A C library without mallopt (not glibc) is
     left as it is (False)."""

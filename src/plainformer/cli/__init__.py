@@ -274,12 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run() -> NoReturn:
     """The `plainformer` command and `python -m plainformer`: `main`, then its exit status.
 
-    The exit skips Python's teardown of the interpreter, which frees the objects of every module one by one:
-    1.0-1.5 s after each command here, of which torch's modules alone take 0.9 s (a 2-core AMD EPYC), where
-    the kernel takes back a process's memory at once. What an exit owes still happens, in Python's order:
-    threads that are not daemons finish (while one runs, the exit is Python's own), the functions
-    registered with `atexit` run (logging's flush, finalizers, temporary directories), the standard
-    streams are flushed (where that fails, Python's exit reports it). An exception that leaves `main`
+    The exit skips Python's teardown of the interpreter, which frees the objects of every module one by one,
+    torch's most of all, for a second or more after each command (measured: docs/performance.md, "Choices
+    inside the code"), where the kernel takes back a process's memory at once. What an exit owes still
+    happens, in Python's order: threads that are not daemons finish (while one runs, the exit is Python's
+    own), the functions registered with `atexit` run (logging's flush, finalizers, temporary directories),
+    the standard streams are flushed (where that fails, Python's exit reports it). An exception that leaves `main`
     takes Python's exit too, and so does a rank of a torchrun launch: when one rank fails, the launcher
     stops the others, and rank 0, the one that prints the error, must not be outrun by a rank that exits
     faster."""

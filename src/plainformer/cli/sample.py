@@ -7,8 +7,9 @@ sample i of the batch uses seed `--seed` + i, so its text is that of `--seed SEE
 print in order, each with its prompt, separated by a `--separator` line. `--stop STRING` (repeatable)
 ends a sample where it first writes STRING, which is not printed.
 
-On the CPU the weights are laid out once for oneDNN before decoding (`inference.for_decoding`, ~0.5 s for GPT-2
-124M in fp32; 1.2x the tokens/s of the plain layout there), where this CPU's oneDNN takes their dtype.
+On the CPU the weights are laid out once for oneDNN before decoding (`inference.for_decoding`: a fraction of a
+second, for more tokens/s than the plain layout's; measured: docs/performance.md, "Choices inside the code"),
+where this CPU's oneDNN takes their dtype.
 """
 
 from __future__ import annotations

@@ -2,20 +2,14 @@
 
 Decoding multiplies one row per sequence by every weight matrix, so a step is bound by how fast the
 weights stream from memory, and which of torch's kernels streams them fastest depends on the CPU and
-the dtype. GPT-2 124M's 72 block matrices, one row, 2 threads, ms (2-core AMD EPYC with AVX-512 and
-avx512_bf16; "AVX2" is the same CPU with ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
-ONEDNN_MAX_CPU_ISA=AVX2):
-
-                      aten (F.linear)   mv (torch.mv)   onednn (oneDNN on the weight as it is)
-    fp32                   19.7             20.2             11.9
-    fp32, AVX2             19.9             20.2             12.6
-    bf16                    8.0             13.2              7.6
-    bf16, AVX2              4.5              4.5             (refused: needs AVX-512)
+the dtype: on one AVX-512 AMD EPYC oneDNN on the weight as it is won in fp32 by far and in bf16 narrowly,
+and with AVX2 alone it refuses bf16, where F.linear and torch.mv tie (measured: docs/performance.md,
+"Choices inside the code").
 
 So `linear` times the `KERNELS` once per process, for each dtype and for one row or several
-(`kernel_for`, ~0.1 s, on the first product that needs it), and runs the fastest from then on. That
-choice applies to the products decoding makes: on the CPU, in float32 or bfloat16, of at most
-FEW_ROWS rows, with autograd not recording (only F.linear has a backward). Everything else is F.linear.
+(`kernel_for`, in a fraction of a second, on the first product that needs it), and runs the fastest from
+then on. That choice applies to the products decoding makes: on the CPU, in float32 or bfloat16, of at
+most FEW_ROWS rows, with autograd not recording (only F.linear has a backward). Everything else is F.linear.
 The kernels differ in summation order only (fp32: ~1e-6 relative to F.linear).
 """
 

@@ -2,10 +2,9 @@
 
 Decoding reads every weight once per token, so the rate at which a kernel streams W sets the pace.
 oneDNN streams a weight reordered into its blocked layout faster than the plain (d_out, d_in) one
-that a trainable parameter must keep: GPT-2 124M's 73 matrices (blocks and head), one fp32 row,
-2-core AMD EPYC with AVX-512, alone, interleaved over 8 rounds: 12.2 ms (40 GB/s) against 15.7 ms
-(31 GB/s) for oneDNN on the plain weight and 29.9 ms (17 GB/s) for F.linear; the copy bandwidth was
-~42 GB/s. The reorder takes ~0.5 s for those 497 MB, so it pays after a few dozen tokens.
+that a trainable parameter must keep, and both faster than F.linear, near the copy bandwidth. The reorder
+takes a fraction of a second for GPT-2 124M, so it pays after a few dozen tokens (measured:
+docs/performance.md, "Choices inside the code").
 
 `prepack(model)` swaps every `nn.Linear` for a `PackedLinear` in place: the model is for inference
 only afterwards (no trainable or savable weights in those layers; prepack a copy, or load again).

@@ -6,14 +6,13 @@ Decoding one token reads every weight once, so a weight of 1 byte instead of 4 i
 read. Whether that pays depends on the kernel the CPU has; `quantize` measures them once (`KERNELS`):
 
     fbgemm     torch's dynamic quantized linear (x quantized per tensor to 7 bits on the fly, an int8
-               x int8 product, fp32 out): 12 GPT-2 layers, one row, in 4.5 ms against 10.3 ms for fp32
-               decoding's product (`inference.linear_kernels`, oneDNN there) on a 2-core AMD EPYC with AVX-512; 4.8
-               against 10.9 ms with AVX2 emulated; 11.8 against 31.9 ms (MKL) on an AVX2-only EPYC
+               x int8 product, fp32 out): faster than fp32 decoding's product (`inference.linear_kernels`)
+               on the AMD EPYCs measured, with AVX-512, AVX2 emulated and AVX2 only
     dequant    x (Q · s)ᵀ in fp32, the weight dequantized at every call: exact to Q, never faster than
                fp32, but it runs everywhere (GPUs, CPUs without fbgemm)
 
-(torch._weight_int8pack_mm took 72.8 ms for the same 12 layers on the AVX2-only EPYC: 2.3x slower
-than fp32, so it is not offered.)
+(torch._weight_int8pack_mm was slower than fp32 on the AVX2-only EPYC, so it is not offered. The timings:
+docs/performance.md, "Choices inside the code".)
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, dro
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # why: scaling q costs d/m of scaling the scores; masking in place saves a copy (autograd keeps
     # q and k for the matmul's backward, not its output); an additive mask's gradient is the identity,
-    # where masked_fill's costs a pass over the scores (on CPU the add is also 3x faster)
+    # where masked_fill's costs a pass over the scores (on CPU the add is also several times faster:
+    # docs/performance.md, "Choices inside the code")
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., n, m)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)  # autograd keeps tanh's output: no in-place here

@@ -42,8 +42,8 @@ def _inverse_rms(wide: Tensor, eps: float) -> Tensor:
 
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm with its gradient written out: on CPU, where these passes are memory-bound, autograd
-    through the composite makes about twice as many passes over x (forward + backward at
-    (32, 128, 256) float32: 12 ms against 6.5 ms).
+    through the composite makes about twice as many passes over x, and takes about twice the time
+    (measured: docs/performance.md, "Choices inside the code").
 
     With x̂ = x · r, y = x̂ ⊙ γ and g = ∂L/∂y (rows n, features j; d features):
 

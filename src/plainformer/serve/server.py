@@ -1,8 +1,8 @@
 """Serving the application: uvicorn on a thread of its own, the batcher on the main thread.
 
 Why the batcher runs on the main thread: the model's kernels then run on the OpenMP team that loading the
-model started, and measured faster there than from a second thread (~25% on a 2-core AMD EPYC for GPT-2's
-decoding steps). uvicorn serves from its own thread and event loop; the main thread takes the signals.
+model started, and measured faster there than from a second thread (docs/performance.md, "Choices inside
+the code"). uvicorn serves from its own thread and event loop; the main thread takes the signals.
 
 The socket is bound beforehand, so that a port in use is one line before anything starts and `port 0` a
 free port the caller can name.

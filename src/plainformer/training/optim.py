@@ -79,8 +79,8 @@ def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
-    """The fused kernel is used where torch has one (CPU, CUDA): on a 10.8M-parameter GPT-like model
-    on this CPU one step takes 5.7 ms fused vs 32 ms foreach."""
+    """The fused kernel is used where torch has one (CPU, CUDA): on the CPU its step is several times
+    faster than foreach's (measured: docs/performance.md, "Choices inside the code")."""
     params = [p for g in groups for p in g["params"]]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
@@ -126,10 +126,11 @@ class BatchedMuon(torch.optim.Muon):
     rate), and with ns_dtype bfloat16 (torch's) bit for bit; its state and state dict are torch's, so
     checkpoints do not tell them apart. On CPU the per-matrix products are small: at the default preset's
     28 matrices (16 of 256 × 256, 12 of 688 × 256) the iteration takes about half the time batched.
-    Without AMX, bf16 matmuls run at about half the fp32 rate, and the iteration (~21 GFLOP a step at the
-    default preset, half the forward and backward's) is faster in float32. Under FSDP the parameters are
-    DTensor shards of their matrices, and the same code runs on them: DTensor stacks them, gathers what the
-    products need, and returns each update sharded like its parameter.
+    Without AMX, bf16 matmuls run at about half the fp32 rate, and the iteration (half as much arithmetic as
+    the forward and backward at the default preset: docs/performance.md, "Choices inside the code") is
+    faster in float32. Under FSDP the parameters are DTensor shards of their matrices, and the same code
+    runs on them: DTensor stacks them, gathers what the products need, and returns each update sharded like
+    its parameter.
     """
 
     def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):

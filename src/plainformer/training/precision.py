@@ -3,19 +3,19 @@ are natively fast, float32 everywhere else.
 
 bf16 autocast pays only when the hardware multiplies bf16 faster than fp32. On a CPU with AMX tiles
 (Sapphire Rapids and later) it always does. Without AMX it depends on the CPU, so it is measured
-(`cpu_bf16_speedup`, once per process, ~0.2 s): AVX-512-BF16 ran at about half the fp32 rate on a 2-core
-Xeon (issue 12: 193 vs 386 GFLOP/s) but at 1.9x it on a 2-core AMD EPYC (Zen 4: 367 vs 197 at 256³),
-and an AVX2-only CPU emulates bf16 at ~1 GFLOP/s. bf16 is taken where it measures at least
-MIN_BF16_SPEEDUP times fp32's rate. In a distributed launch rank 0 measures and every rank takes its
-measurement (`shared_bf16_speedup`, which the Trainer enters), so that the replicas train alike and in
-the dtype one process would; a process of a launch without it takes float32 (each would measure its
-own). On CUDA it means a device with native bf16 (compute capability 8.0+), not the emulation torch
-offers on older ones.
+(`cpu_bf16_speedup`, once per process, in a fraction of a second): AVX-512-BF16 ran at about half the fp32
+rate on a Xeon but nearly twice it on a Zen 4 AMD EPYC, and an AVX2-only CPU emulates bf16 far slower than
+fp32 (measured: docs/experiments.md, "The dtype"; docs/performance.md, "Choices inside the code"). bf16 is
+taken where it measures at least MIN_BF16_SPEEDUP times fp32's rate. In a distributed launch rank 0
+measures and every rank takes its measurement (`shared_bf16_speedup`, which the Trainer enters), so that
+the replicas train alike and in the dtype one process would; a process of a launch without it takes
+float32 (each would measure its own). On CUDA it means a device with native bf16 (compute capability
+8.0+), not the emulation torch offers on older ones.
 
 On a CPU it also takes matmuls wide enough to outweigh the casts autocast adds around each of them: a
-model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even with AMX. Measured on a
-2-core Xeon with AMX, step time bf16 / fp32: GPT d_model 64 1.04-1.06, the seq2seq "tiny" preset (d_model
-64) 1.36; GPT d_model 128 0.69, 256 0.54.
+model narrower than MIN_BF16_WIDTH (its `config.d_model`) trains in float32 even with AMX: on a Xeon with
+AMX a bf16 step was slower than fp32's at d_model 64 and faster from 128 (measured: docs/performance.md,
+"Choices inside the code").
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..launch import current_launch
 
 MIN_BF16_WIDTH = 128
 #: Without AMX, bf16 autocast is taken where bf16 matmuls measure at least this many times the fp32 rate: the
-#: casts it adds eat part of the gain (nanogpt-cpu's step, d_model 128, on the 1.9x AMD EPYC: 0.78-0.90x fp32's).
+#: casts it adds eat part of the gain (measured: docs/performance.md, "Choices inside the code").
 MIN_BF16_SPEEDUP = 1.5
 
 _shared_speedup: contextvars.ContextVar[float | None] = contextvars.ContextVar("plainformer_bf16_speedup",
@@ -48,8 +48,8 @@ def cpu_has_amx() -> bool:
 
 @functools.cache
 def cpu_bf16_speedup() -> float:
-    """bf16 / fp32 throughput of this CPU's 256 x 256 matmuls, measured once per process (256: an
-    emulated bf16 at ~1 GFLOP/s takes milliseconds per product, not seconds)."""
+    """bf16 / fp32 throughput of this CPU's 256 x 256 matmuls, measured once per process (256: small
+    enough that an emulated bf16 multiplies it in milliseconds, not seconds)."""
     return matmul_rate(torch.bfloat16, size=256) / matmul_rate(torch.float32, size=256)
 
 
@@ -139,8 +139,8 @@ def matmul_rate(dtype: torch.dtype, device: torch.device | str = "cpu", size: in
 
 def slow_bf16_warning(dtype: str, device: torch.device | str) -> str | None:
     """For a run that trains in bfloat16 where bf16 is not native: one line with the measured
-    slowdown of its matmuls against float32 (bf16 ran at ~1 GFLOP/s on an AVX2-only AMD, 147 in
-    fp32); None otherwise."""
+    slowdown of its matmuls against float32 (an AVX2-only CPU emulates bf16 far slower: docs/experiments.md,
+    "The dtype"); None otherwise."""
     native, why = native_bf16(device)
     if dtype != "bfloat16" or native:
         return None
