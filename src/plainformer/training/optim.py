@@ -126,11 +126,11 @@ class BatchedMuon(torch.optim.Muon):
     rate), and with ns_dtype bfloat16 (torch's) bit for bit; its state and state dict are torch's, so
     checkpoints do not tell them apart. On CPU the per-matrix products are small: at the default preset's
     28 matrices (16 of 256 × 256, 12 of 688 × 256) the iteration takes about half the time batched.
-    Without AMX, bf16 matmuls run at about half the fp32 rate, and the iteration (half as much arithmetic as
-    the forward and backward at the default preset: docs/performance.md, "Choices inside the code") is
-    faster in float32. Under FSDP the parameters are DTensor shards of their matrices, and the same code
-    runs on them: DTensor stacks them, gathers what the products need, and returns each update sharded like
-    its parameter.
+    Without AMX the iteration (half as much arithmetic as the forward and backward at the default preset:
+    docs/performance.md, "Choices inside the code") runs in float32: bf16 matmuls ran at about half the
+    fp32 rate on a Xeon without AMX and are emulated on AVX2 (docs/experiments.md, "The dtype"). Under
+    FSDP the parameters are DTensor shards of their matrices, and the same code runs on them: DTensor stacks
+    them, gathers what the products need, and returns each update sharded like its parameter.
     """
 
     def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
