@@ -23,7 +23,6 @@ from torch import nn
 from .. import _checks, memory
 from ..checkpoint.format import CONFIG, MODEL, Checkpoint, CheckpointError, load_checkpoint
 from ..config import Config
-from ..memory import Footprint, check_memory
 
 _CLASSES: dict[str, type[FamilyModel]] = {}  # family name -> its class, in the order they are defined
 
@@ -70,7 +69,7 @@ class FamilyModel(nn.Module):
         return config, {}
 
     @classmethod
-    def footprint(cls, config: Any) -> Footprint:
+    def footprint(cls, config: Any) -> memory.Footprint:
         """What the model of `config` holds, counted on the meta device (`memory.footprint`)."""
         return memory.footprint(cls, config)
 
@@ -112,7 +111,7 @@ def check_model_memory(config: Any, family: str | None = None) -> None:
 
 def _check_fits(cls: type[FamilyModel], config: Any) -> None:
     if torch.get_default_device().type != "meta":  # on the meta device nothing is allocated
-        check_memory("the model needs ~{needed} for its parameters and buffers", cls.model_bytes, config)
+        memory.check_memory("the model needs ~{needed} for its parameters and buffers", cls.model_bytes, config)
 
 
 def check_stored_parameters(checkpoint: Checkpoint, config: Config) -> None:
