@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,6 +195,25 @@ def test_resume_continues_to_the_same_weights_as_one_run(capsys, text_file: Path
     assert resumed["train_loss"] == whole["train_loss"]
     assert resumed["val_loss"] == whole["val_loss"]
     assert _same_weights(tmp_path / "whole", tmp_path / "split")
+
+
+OLD_RUN = Path(__file__).parent.parent / "fixtures" / "gpt_run_before_variants"  # see tests/fixtures/README.md
+
+
+def test_a_run_written_before_the_variant_fields_resumes_and_samples(capsys, tmp_path: Path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(OLD_RUN, run)
+    monkeypatch.chdir(run)  # its recipe.yaml names its data as text.txt
+    saved = json.loads((run / "last" / "config.json").read_text())["model"]
+    assert "qk_norm" not in saved and "value_residual" not in saved
+    code, stdout, stderr = run_cli(capsys, "train", "--out", str(run), "--resume", "--max-steps", "6", "--no-progress")
+    assert code == 0, stderr
+    assert last_json(stdout)["step"] == 6
+    resumed = json.loads((run / "last" / "config.json").read_text())["model"]
+    assert resumed == {**pf.GPTConfig().to_dict(), **saved}  # the new fields at the defaults, the rest kept
+    code, stdout, stderr = run_cli(capsys, "sample", "--ckpt", str(run), "--max-new-tokens", "8", "--prompt", "To")
+    assert code == 0, stderr
+    assert stdout.startswith("To") and len(stdout) >= 8
 
 
 def test_resume_refuses_changed_model_fields(capsys, text_file: Path, tmp_path: Path):

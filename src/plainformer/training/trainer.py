@@ -115,6 +115,7 @@ class Trainer:
         # Through JSON, so that it compares equal to what a checkpoint holds.
         self.model_config = json.loads(json.dumps(
             model_config.to_dict() if isinstance(model_config, Config) else dict(model_config)))
+        self._config_class = type(model_config) if isinstance(model_config, Config) else None
         self.tokenizer = tokenizer
         self.progress = progress
         self.adapter = None if adapter is None else json.loads(json.dumps(dict(adapter)))
@@ -180,7 +181,7 @@ class Trainer:
             raise CheckpointError(f"{ckpt.path} holds {'no' if ckpt.adapter is None else 'another'} LoRA "
                                   f"adapter ({ckpt.adapter}), not the one being trained ({self.adapter}); "
                                   "resume with the same one")
-        if ckpt.family != self.family or ckpt.model_config != self.model_config:
+        if ckpt.family != self.family or self._completed(ckpt.model_config) != self.model_config:
             raise CheckpointError(f"{ckpt.path} holds a {ckpt.family!r} model with config {ckpt.model_config}, "
                                   f"not the {self.family!r} model with config {self.model_config} "
                                   "being trained; resume with the same model")
@@ -198,6 +199,16 @@ class Trainer:
         self._last_is_current = True
         self._saved_step = state.step
         return dataclasses.replace(ckpt, state_dict={})  # fit() still needs its RNG state, not the weights
+
+    def _completed(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's model config with the fields added to the config class since it was written at
+        their defaults (which keep the model it was trained as), so that a run written before them resumes."""
+        if self._config_class is None or not set(saved) < set(self.model_config):
+            return saved
+        try:
+            return json.loads(json.dumps(self._config_class.from_dict(saved).to_dict()))
+        except (TypeError, ValueError):
+            return saved  # not this class's config: refused as a different model
 
     def _set_state(self, state: TrainerState) -> None:
         """Stand where `state` says: at the start, or where a checkpoint left off (`_state` is its inverse)."""
