@@ -6,8 +6,9 @@ Each function puts the model in eval mode for the call (dropout off) and restore
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,21 @@ from .. import _checks
 from ..constants import IGNORE_INDEX  # labels that are not scored
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What chooses a run's best/ in place of the lowest validation loss: `score(model) -> {metric: value}`,
+    run by the Trainer at each evaluation (the model in eval mode, without autograd; every value is logged as
+    val_<metric>), and `metric`, the one of them whose best value keeps best/: the highest where
+    `higher_is_better` (BLEU, accuracy), else the lowest."""
+
+    score: Callable[[nn.Module], Mapping[str, float]]
+    metric: str
+    higher_is_better: bool = True
+
+    def improves(self, value: float, best: float | None) -> bool:
+        return best is None or (value > best if self.higher_is_better else value < best)
 
 
 @contextlib.contextmanager
