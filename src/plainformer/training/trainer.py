@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from ..checkpoint.average import keep_last, kept_checkpoint
 from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
 from ..files.run_lock import run_lock
@@ -504,6 +505,10 @@ class Trainer:
     def _save_last(self) -> None:
         self._stop_if_diverged()
         self._save("last", with_optimizer=True)
+        if self.config.keep_checkpoints:
+            self._save(str(kept_checkpoint(".", self.step)), with_optimizer=False)
+            if self.dist.is_main:
+                keep_last(self.out_dir, self.config.keep_checkpoints)
         self._last_is_current = True
         self._saved_step = self.step
 
