@@ -121,8 +121,8 @@ _DEFAULT_SHAPES = (Shape("4x256", 600.0, {}, {}),
 # shape at a quarter of its width, one SentencePiece vocabulary of 8,000 pieces, the paper's optimizer and
 # inverse-sqrt schedule, label smoothing 0.1, batches of ~4,000 tokens a side; best/ by validation BLEU, then the
 # last 5 checkpoints averaged. The data is yours to name: --data DIR/train --val-data DIR/val.
-_MULTI30K_MODEL = dict(n_layers=3, d_model=256, n_heads=4, d_ff=1024, dropout=0.1, attention_dropout=0.0,
-                      activation_dropout=0.0, label_smoothing=0.1, max_len=128)
+_MULTI30K_MODEL: dict[str, Any] = dict(n_layers=3, d_model=256, n_heads=4, d_ff=1024, dropout=0.1,
+                                       attention_dropout=0.0, activation_dropout=0.0, label_smoothing=0.1, max_len=128)
 _MULTI30K_TRAINING = TrainConfig.from_preset(
     "transformer-paper", schedule_d_model=256, warmup_steps=1000, max_steps=4000, max_time=1740.0, batch_size=512,
     eval_interval=500, eval_batches=8, save_interval=250, keep_checkpoints=5, log_interval=50, dtype="float32")
