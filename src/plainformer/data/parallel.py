@@ -16,21 +16,24 @@ an empty side, a side of more than `max_words` words, or a word ratio above `max
 
 `prepare_parallel_data` learns one SentencePiece vocabulary on both sides of the cleaned training pairs (the
 paper's shared vocabulary) and writes every pair's ids to memory-mapped arrays in the cache, in two streamed
-passes: memory holds a chunk of pairs and SentencePiece's bounded sample, not the corpus. A pair whose
-subwords exceed the model's positions is dropped and counted too. Validation pairs are kept whole as text (for
-BLEU) and encoded for the loss where they fit.
+passes: memory holds a chunk of pairs and SentencePiece's bounded sample, not the corpus. It does not depend on
+the model: the batches leave out (and count) the pairs longer than a model's positions (`seq2seq.PairBatches`).
+Validation pairs are kept whole as text too, for BLEU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from .. import _checks
 from ..files.atomic import atomic_path
@@ -161,16 +164,15 @@ class Dropped:
     empty: int = 0
     too_long: int = 0  # a side of more than max_words words
     ratio: int = 0  # one side more than max_ratio times as many words as the other
-    too_many_tokens: int = 0  # more subwords than the model's positions
 
     @property
     def total(self) -> int:
-        return self.empty + self.too_long + self.ratio + self.too_many_tokens
+        return self.empty + self.too_long + self.ratio
 
     def line(self, kept: int) -> str:
         reasons = ", ".join(f"{count:,} {what}" for count, what in (
-            (self.empty, "with an empty side"), (self.too_long, "too long"), (self.ratio, "past the length ratio"),
-            (self.too_many_tokens, "beyond the model's positions")) if count)
+            (self.empty, "with an empty side"), (self.too_long, "too long"), (self.ratio, "past the length ratio"))
+            if count)
         return f"{kept:,} pairs kept, {self.total:,} dropped" + (f" ({reasons})" if reasons else "")
 
 
@@ -230,25 +232,26 @@ class ParallelData:
 
 
 def prepare_parallel_data(train: str | os.PathLike, val: str | os.PathLike, *, source_lang: str, target_lang: str,
-                          max_tokens: int, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
-                          cache_dir: str | os.PathLike | None = None,
+                          vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
+                          cache_dir: str | os.PathLike | None = None, progress: bool = False,
                           log: Callable[[str], None] | None = None) -> ParallelData:
-    """Prepare `train` and `val` (see `open_parallel`) for a model of `max_tokens` positions: a SentencePiece
-    vocabulary of `vocab_size` learnt on the cleaned training pairs, or the `tokenizer` given (a resumed run's),
-    then the ids of every pair. Cached: a second call with the same files and settings reads the arrays."""
+    """Prepare `train` and `val` (see `open_parallel`): a SentencePiece vocabulary of `vocab_size` learnt on the
+    cleaned training pairs, or the `tokenizer` given (a resumed run's), then the ids of every pair. Cached: a
+    second call with the same files and settings reads the arrays. progress: the pairs read, on stderr."""
     if (tokenizer is None) == (vocab_size is None):
         raise ValueError("give either vocab_size (a vocabulary to learn) or tokenizer (one to use)")
-    _checks.check_positive_int("max_tokens", max_tokens)
+    if vocab_size is not None:
+        _checks.check_positive_int("vocab_size", vocab_size)
     sources = [open_parallel(path, source_lang, target_lang) for path in (train, val)]
     spec = tokenizer.fingerprint if tokenizer is not None else ("sentencepiece", vocab_size)
     directory = (Path(cache_dir or default_cache_dir()) / "parallel"
-                 / cache_key(FORMAT_VERSION, *(s.fingerprint for s in sources), spec, max_tokens, MAX_WORDS, MAX_RATIO))
+                 / cache_key(FORMAT_VERSION, *(s.fingerprint for s in sources), spec, MAX_WORDS, MAX_RATIO))
     data = _load(directory, tokenizer)
     if data is None:
         with run_lock(directory, wait=True):
             data = _load(directory, tokenizer)
             if data is None:
-                _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, max_tokens=max_tokens)
+                _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
                 data = _load(directory, tokenizer)
                 assert data is not None, "a preparation just written must load"
     if log:
@@ -258,34 +261,44 @@ def prepare_parallel_data(train: str | os.PathLike, val: str | os.PathLike, *, s
 
 
 def _prepare(directory: Path, train: ParallelSource, val: ParallelSource, *, tokenizer: Tokenizer | None,
-             vocab_size: int | None, max_tokens: int) -> None:
+             vocab_size: int | None, progress: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
         assert vocab_size is not None
-        sides = (text for pair in clean(train.pairs(), Dropped()) for text in (pair.source, pair.target))
-        tokenizer = SentencePieceTokenizer.train(sides, vocab_size)
+        with _counting("learning the vocabulary from", train, progress) as count:
+            sides = (text for pair in clean(count(train.pairs()), Dropped()) for text in (pair.source, pair.target))
+            tokenizer = SentencePieceTokenizer.train(sides, vocab_size)
     tokenizer.save(directory / "tokenizer")
     stats = {}
     dropped = Dropped()
-    kept = _write_pairs(directory / "train", clean(train.pairs(), dropped), tokenizer, max_tokens, dropped)
+    with _counting("encoding", train, progress) as count:
+        kept = _write_pairs(directory / "train", clean(count(train.pairs()), dropped), tokenizer)
     stats["train"] = dropped.line(kept)
     val_pairs = list(val.pairs())  # a validation set is small: it is translated whole at each evaluation
     with atomic_path(directory / "val.jsonl") as tmp:
         tmp.write_text("".join(json.dumps([p.source, p.target], ensure_ascii=False) + "\n" for p in val_pairs),
                        encoding="utf-8")
-    val_dropped = Dropped()
-    kept = _write_pairs(directory / "val", (p for p in val_pairs if p.source and p.target), tokenizer, max_tokens,
-                        val_dropped)
-    stats["val"] = f"{len(val_pairs):,} pairs, {kept:,} of them scored for the loss"
+    kept = _write_pairs(directory / "val", (p for p in val_pairs if p.source and p.target), tokenizer)
+    stats["val"] = f"{len(val_pairs):,} pairs, {kept:,} of them with two sides, for the loss"
     with atomic_path(directory / "stats.json") as tmp:  # last: it makes the entry complete
         tmp.write_text(json.dumps(stats, indent=1), encoding="utf-8")
 
 
-def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer, max_tokens: int,
-                 dropped: Dropped) -> int:
-    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin and their offsets into PREFIX.offsets.npy; pairs
-    whose source + eos or bos + target exceed `max_tokens` positions are counted in `dropped`. Returns the pairs
-    written."""
+@contextlib.contextmanager
+def _counting(what: str, source: ParallelSource, enabled: bool) -> Iterator[Callable[[Iterable[Pair]], Iterator[Pair]]]:
+    """A function that passes pairs through, counting them on a progress bar on stderr."""
+    with tqdm(desc=f"{what} {source.name}", unit=" pairs", unit_scale=True, disable=not enabled, file=sys.stderr,
+              mininterval=0.5, leave=False) as bar:
+        def count(pairs: Iterable[Pair]) -> Iterator[Pair]:
+            for pair in pairs:
+                bar.update()
+                yield pair
+        yield count
+
+
+def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer) -> int:
+    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin and their offsets into PREFIX.offsets.npy.
+    Returns the pairs written."""
     dtype = token_dtype(tokenizer.vocab_size)
     offsets: dict[str, list[int]] = {"src": [0], "tgt": [0]}
     with atomic_path(prefix.with_suffix(".src.bin")) as src_tmp, atomic_path(prefix.with_suffix(".tgt.bin")) as \
@@ -295,9 +308,6 @@ def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer, max_
             encoded = zip(tokenizer.encode_many([p.source for p in chunk]),
                           tokenizer.encode_many([p.target for p in chunk]), strict=True)
             for source, target in encoded:
-                if max(len(source), len(target)) + 1 > max_tokens:
-                    dropped.too_many_tokens += 1
-                    continue
                 src_file.write(np.asarray(source, dtype=dtype).tobytes())
                 tgt_file.write(np.asarray(target, dtype=dtype).tobytes())
                 offsets["src"].append(offsets["src"][-1] + len(source))
