@@ -559,12 +559,12 @@ class VariantGPT(GPT):
             nn.init.zeros_(self.bigram.table.weight)
 
     def _causal_mask(self, n: int, keys: int, device: torch.device) -> AttentionMask:
-        return self._attention().causal_mask(n, keys, device=device)  # the window and ALiBi of every block
+        return self._blocks_attention().causal_mask(n, keys, device=device)  # the window and ALiBi of every block
 
     def _padded_mask(self, real: Tensor, offset: int, keys: int) -> tuple[Tensor, AttentionMask]:
-        return self._attention().padded_mask(real, offset, keys=keys)
+        return self._blocks_attention().padded_mask(real, offset, keys=keys)
 
-    def _attention(self) -> VariantAttention:
+    def _blocks_attention(self) -> VariantAttention:
         return cast(VariantAttention, cast(Block, self.blocks[0]).self_attn)
 
     def output_logits(self, hidden: Tensor) -> Tensor:

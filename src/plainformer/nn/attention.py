@@ -485,6 +485,7 @@ def check_rope(rope: Rotation, head_dim: int, offset: int, length: int) -> None:
 
 # ----------------------------------------------------------------------------- the variants
 
+# The keywords that make `MultiHeadAttention(...)` a `VariantAttention`.
 VARIANT_OPTIONS = frozenset({"qk_norm", "norm_eps", "softcap", "alibi", "window"})
 
 
