@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plainformer as pf
+from plainformer.checkpoint.average import kept_checkpoints
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.config import Config
 from plainformer.files.run_lock import RunDirectoryBusy
@@ -352,6 +353,15 @@ def test_a_resumed_run_keeps_the_selections_best_value(tmp_path):
     run(20, False)
     metrics = run(40, True)
     assert metrics["best_val_m"] == 5.0 and load_checkpoint(tmp_path / "best").trainer_state["step"] == 10
+
+
+def test_keep_checkpoints_keeps_the_weights_of_the_last_saves(tmp_path):
+    trainer, _ = train(tmp_path, max_steps=9, save_interval=2, keep_checkpoints=3)
+    kept = kept_checkpoints(tmp_path)
+    assert [p.name for p in kept] == ["step-0000006", "step-0000008", "step-0000009"]  # 9: the save at the end
+    last = load_checkpoint(tmp_path / "last")
+    assert torch.equal(load_checkpoint(kept[-1]).state_dict["emb.weight"], last.state_dict["emb.weight"])
+    assert not load_checkpoint(kept[0]).has_optimizer_state
 
 
 def test_flash_attention_with_dropout_is_refused_before_training_starts(tmp_path):

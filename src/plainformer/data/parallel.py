@@ -4,8 +4,8 @@
 - line-aligned files named by a prefix and the two languages, plain or gzipped: `DIR/train` with de and en
   reads `DIR/train.de[.gz]` and `DIR/train.en[.gz]`, line i of one translating line i of the other (the
   fairseq and Marian convention);
-- a two-column TSV (`.tsv`, `.tsv.gz`): the source, a tab, the target; a first row that names the two
-  languages (`de<TAB>en`) is a header;
+- a two-column TSV (`.tsv`, `.tsv.gz`): the source, a tab, the target; or, under a first row that names the
+  two languages (`de<TAB>en`, in either order), the columns those names head;
 - JSON Lines (`.jsonl`, `.jsonl.gz`) in the `datasets` shape: `{"translation": {"de": ..., "en": ...}}`.
 
 Each is streamed: `ParallelSource.pairs()` yields one `Pair` at a time with the file and line it came from, and
@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -95,14 +96,17 @@ class ParallelSource:
 
     def _tsv(self) -> Iterator[Pair]:
         path = self.files[0]
+        source = 0
         for number, line in enumerate(text_lines(path), 1):
             columns = line.rstrip("\n").split("\t")
             if len(columns) != 2:
                 raise ValueError(f"{path}:{number}: expected 2 tab-separated columns (source, target), "
                                  f"got {len(columns)}")
-            if number == 1 and [c.strip() for c in columns] == [self.source_lang, self.target_lang]:
-                continue  # the header
-            yield Pair(columns[0].strip(), columns[1].strip(), f"{path.name}:{number}")
+            names = [c.strip() for c in columns]
+            if number == 1 and sorted(names) == sorted((self.source_lang, self.target_lang)):
+                source = names.index(self.source_lang)  # a header: its names say which column is which
+                continue
+            yield Pair(columns[source].strip(), columns[1 - source].strip(), f"{path.name}:{number}")
 
     def _jsonl(self) -> Iterator[Pair]:
         path = self.files[0]
@@ -251,7 +255,11 @@ def prepare_parallel_data(train: str | os.PathLike, val: str | os.PathLike, *, s
         with run_lock(directory, wait=True):
             data = _load(directory, tokenizer)
             if data is None:
-                _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
+                try:
+                    _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
+                except BaseException:
+                    _discard(directory)  # a refused or interrupted preparation leaves nothing behind
+                    raise
                 data = _load(directory, tokenizer)
                 assert data is not None, "a preparation just written must load"
     if log:
@@ -297,24 +305,32 @@ def _counting(what: str, source: ParallelSource, enabled: bool) -> Iterator[Call
 
 
 def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer) -> int:
-    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin and their offsets into PREFIX.offsets.npy.
-    Returns the pairs written."""
+    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin, their lengths into PREFIX.{src,tgt}.len (uint32),
+    each file written as it goes (memory holds one chunk). Returns the pairs written."""
     dtype = token_dtype(tokenizer.vocab_size)
-    offsets: dict[str, list[int]] = {"src": [0], "tgt": [0]}
-    with atomic_path(prefix.with_suffix(".src.bin")) as src_tmp, atomic_path(prefix.with_suffix(".tgt.bin")) as \
-            tgt_tmp, open(src_tmp, "wb") as src_file, open(tgt_tmp, "wb") as tgt_file:
+    written = 0
+    with contextlib.ExitStack() as files:
+        out = {}
+        for name in ("src.bin", "tgt.bin", "src.len", "tgt.len"):
+            tmp = files.enter_context(atomic_path(prefix.with_suffix(f".{name}")))
+            out[name] = files.enter_context(open(tmp, "wb"))
         iterator = iter(pairs)
         while chunk := list(itertools.islice(iterator, ENCODE_CHUNK)):
-            encoded = zip(tokenizer.encode_many([p.source for p in chunk]),
-                          tokenizer.encode_many([p.target for p in chunk]), strict=True)
-            for source, target in encoded:
-                src_file.write(np.asarray(source, dtype=dtype).tobytes())
-                tgt_file.write(np.asarray(target, dtype=dtype).tobytes())
-                offsets["src"].append(offsets["src"][-1] + len(source))
-                offsets["tgt"].append(offsets["tgt"][-1] + len(target))
-    with atomic_path(prefix.with_suffix(".offsets.npy")) as tmp, open(tmp, "wb") as file:
-        np.save(file, np.array([offsets["src"], offsets["tgt"]], dtype=np.int64), allow_pickle=False)
-    return len(offsets["src"]) - 1
+            for side, texts in (("src", [p.source for p in chunk]), ("tgt", [p.target for p in chunk])):
+                ids = tokenizer.encode_many(texts)
+                out[f"{side}.bin"].write(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype).tobytes())
+                out[f"{side}.len"].write(np.array([len(i) for i in ids], dtype=np.uint32).tobytes())
+            written += len(chunk)
+    return written
+
+
+def _discard(directory: Path) -> None:
+    """Remove what a preparation wrote in `directory` (all but the lock it holds)."""
+    for path in directory.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name != ".lock":
+            path.unlink(missing_ok=True)
 
 
 def _load(directory: Path, tokenizer: Tokenizer | None) -> ParallelData | None:
@@ -331,14 +347,17 @@ def _load(directory: Path, tokenizer: Tokenizer | None) -> ParallelData | None:
 
 
 def _encoded(prefix: Path, dtype: np.dtype) -> EncodedPairs:
-    offsets = np.load(prefix.with_suffix(".offsets.npy"), allow_pickle=False)
-    arrays = []
-    for side, ends in (("src", offsets[0]), ("tgt", offsets[1])):
+    sides = []
+    for side in ("src", "tgt"):
+        offsets = np.concatenate(([0], np.cumsum(np.fromfile(prefix.with_suffix(f".{side}.len"), dtype=np.uint32),
+                                                 dtype=np.int64)))
         path = prefix.with_suffix(f".{side}.bin")
-        if path.stat().st_size != int(ends[-1]) * dtype.itemsize:
-            raise ValueError(f"{path} does not hold the {int(ends[-1])} tokens its offsets count")
-        arrays.append(np.memmap(path, dtype=dtype, mode="r") if ends[-1] else np.zeros(0, dtype))
-    return EncodedPairs(arrays[0], offsets[0], arrays[1], offsets[1])
+        if path.stat().st_size != int(offsets[-1]) * dtype.itemsize:
+            raise ValueError(f"{path} does not hold the {int(offsets[-1])} tokens its lengths count")
+        sides.append((np.memmap(path, dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype), offsets))
+    if len(sides[0][1]) != len(sides[1][1]):
+        raise ValueError(f"{prefix}: the two sides hold different numbers of pairs")
+    return EncodedPairs(sides[0][0], sides[0][1], sides[1][0], sides[1][1])
 
 
 def read_pairs(data: str | os.PathLike, source_lang: str, target_lang: str) -> tuple[list[str], list[str]]:

@@ -495,15 +495,28 @@ class SentencePieceTokenizer(Tokenizer):
         _checks.check_positive_int("vocab_size", vocab_size)
         _checks.check_positive_int("max_sentences", max_sentences)
         model = io.BytesIO()
+        raised: list[BaseException] = []  # what reading `texts` raised: SentencePiece would bury it in its own error
+
+        def sentences() -> Iterator[str]:
+            try:
+                for text in texts:
+                    yield _check_text("texts item", text)
+            except Exception as error:
+                raised.append(error)
+
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=(_check_text("texts item", t) for t in texts), model_writer=model,
+                sentence_iterator=sentences(), model_writer=model,
                 vocab_size=vocab_size, model_type="bpe", character_coverage=1.0,
                 input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=threads,
                 pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
                 bos_piece="<s>", eos_piece="</s>", minloglevel=2)
         except RuntimeError as error:  # e.g. "Vocabulary size is too high (8000). Please set it to a value <= 5012."
+            if raised:
+                raise raised[0] from None
             raise ValueError(f"SentencePiece could not learn a vocabulary of {vocab_size} pieces: {error}") from None
+        if raised:
+            raise raised[0]
         return cls(model.getvalue())
 
     @property

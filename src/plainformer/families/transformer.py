@@ -124,7 +124,7 @@ def fitting_pairs(sources: list[str], references: list[str], tokenizer: Any, con
 
 def average_kept(run: Run, score: Any) -> dict[str, Any]:
     """The checkpoints the run kept (TrainConfig.keep_checkpoints) averaged into OUT/averaged and scored; it
-    replaces best/ where its BLEU is higher."""
+    replaces best/ where its BLEU is higher (and best_val_bleu is then its)."""
     kept = kept_checkpoints(run.out)
     if len(kept) < 2:
         return {}
@@ -135,10 +135,12 @@ def average_kept(run: Run, score: Any) -> dict[str, Any]:
     best = load_checkpoint(run.out / "best").trainer_state or {}
     log(f"the last {len(kept)} checkpoints averaged -> {averaged}: validation BLEU {scores['bleu']:.2f}, "
         f"best/ {best.get('best_score', float('nan')):.2f}")
+    metrics = {"averaged": len(kept), **{f"averaged_val_{k}": v for k, v in scores.items()}}
     if best.get("best_score") is None or scores["bleu"] > best["best_score"]:
         replace_checkpoint(averaged, run.out / "best")
         log(f"{run.out}/best now holds the average")
-    return {"averaged": len(kept), **{f"averaged_val_{k}": v for k, v in scores.items()}}
+        metrics["best_val_bleu"] = scores["bleu"]
+    return metrics
 
 
 # ----------------------------------------------------------------------------- decoding
