@@ -110,11 +110,12 @@ class KVCache:
         """Keep ids (B,) as the tokens of the newest positions."""
         self._last.copy_(ids)
 
-    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None, whole_groups: int | None = None
+                ) -> None:
         """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
 
-        group_size (see `DecoderCache.reorder`) changes nothing here: every row is its own. Only the held
-        positions are moved: a beam's step costs what it has decoded, not the capacity.
+        group_size and whole_groups (see `DecoderCache.reorder`) change nothing here: every row is its own.
+        Only the held positions are moved: a beam's step costs what it has decoded, not the capacity.
         """
         held = self.held
         if len(batch_indices) == self._k.shape[0]:  # as many rows: in place
