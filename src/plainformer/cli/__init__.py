@@ -111,6 +111,9 @@ probability = _checked(float, "a number in [0, 1)", _checks.is_probability)
 fraction = _checked(float, "a number in (0, 1)", _checks.is_fraction)
 mass = _checked(float, "a probability in (0, 1]", _checks.is_mass)
 memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", _checks.is_positive_int)
+#: The types above that parse a number: a config file gives it as a number, never as a string.
+NUMBER_TYPES = frozenset({positive_int, non_negative_int, seed_int, non_negative_number, positive_number, probability,
+                          fraction, mass})
 
 
 #: The argument type of a config field declared with each of `_checks`' checks: the flag refuses, as
