@@ -600,6 +600,6 @@ def test_a_gzip_file_that_expands_a_hundredfold_is_said_to_once(tmp_path, monkey
     prepare_lm_data(bomb, cache_dir=tmp_path / "cache")
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "fold" in line]
     assert re.fullmatch(r"plainformer: .*bomb\.txt\.gz expands more than 100-fold \([\d,]+ characters so far from "
-                        r"3\.4 kB on disk\): each pass over it reads all of them; Ctrl-C stops", line), line
+                        r"[\d.]+ kB on disk\): each pass over it reads all of them; Ctrl-C stops", line), line
     prepare_lm_data(text, cache_dir=tmp_path / "cache")  # text compresses a few fold: nothing said
     assert "fold" not in capsys.readouterr().err
