@@ -129,7 +129,8 @@ def test_a_file_that_is_no_mapping_of_flags_is_one_user_error_naming_it(name, te
 def _alias_bomb(key: str) -> str:
     """Nine levels of nine aliases of the level below: 9**9 strings (387 million) written in 300 bytes."""
     levels = ["&a [" + ", ".join(['"lol"'] * 9) + "]"]
-    levels += [f"&{name} [" + ", ".join([f"*{below}"] * 9) + "]" for below, name in zip("abcdefgh", "bcdefghi")]
+    levels += [f"&{name} [" + ", ".join([f"*{below}"] * 9) + "]"
+               for below, name in zip("abcdefgh", "bcdefghi", strict=True)]
     return f"{key}: [{', '.join(levels)}]\n"
 
 
@@ -153,7 +154,7 @@ def test_a_single_alias_is_refused_too(tmp_path):
 @pytest.mark.parametrize("filler", ["# a comment\n", "data: '" + "x" * 80])
 def test_a_file_larger_than_the_bound_is_refused_before_it_is_parsed(filler, tmp_path):
     text = filler * (MAX_BYTES // len(filler) + 1)
-    with pytest.raises(UserError, match=rf"c\.yaml is larger than a config file of flags may be \(64 KiB\)$"):
+    with pytest.raises(UserError, match=r"c\.yaml is larger than a config file of flags may be \(64 KiB\)$"):
         _read(tmp_path / "c.yaml", text)
     assert _read(tmp_path / "c.yaml", "lr: 0.1\n" + "#" * (MAX_BYTES - 8)) == {"lr": 0.1}  # the bound itself reads
 

@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
 from ..launch import is_main_process, launch_from_env
 from ..log import log
-from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
+from ..memory import MemoryBudgetError, format_size, keep_freed_memory, machine_memory, memory_limit, parse_size
 from ..models.family_model import FamilyModel
 from ..training.distributed import RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
@@ -132,10 +132,21 @@ def ranged_field_type(config_cls: type[Config], name: str) -> Callable[[str], An
 def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:
     """--max-memory SIZE: the bytes the command may use, in place of the machine's available memory
     (families/memory_estimates.py), which every size is checked against before memory is spent."""
-    parser.add_argument("--max-memory", type=memory_size, metavar="SIZE", help=(
+    parser.add_argument("--max-memory", type=_max_memory, metavar="SIZE", help=(
         "the memory this command may use, e.g. 64GB or 512MiB, in place of what the machine has available "
-        "(RAM, and RLIMIT_AS when set): a model, a batch or a beam whose estimate exceeds it is refused "
-        "before memory is spent"))
+        "(RAM, and RLIMIT_AS when set), at most its RAM and swap: a model, a batch or a beam whose estimate "
+        "exceeds it is refused before memory is spent"))
+
+
+def _max_memory(text: str) -> int:
+    """A size no larger than the machine's RAM and swap: a limit past them would let through what no process here
+    can hold (and 10**23 TB switched the check off)."""
+    size = memory_size(text)
+    machine = machine_memory()
+    if machine is not None and size > machine:
+        raise argparse.ArgumentTypeError(f"{text} is more than this machine has: {format_size(machine)} of RAM and "
+                                         "swap")
+    return size
 
 
 class _Parser(argparse.ArgumentParser):
