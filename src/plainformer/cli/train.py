@@ -245,8 +245,8 @@ def _fresh_run_directory(out: Path, *, named: bool) -> Path:
     if holder != out.resolve():
         check_output_path("--out", out)  # inside a run: refused, naming it
     if named:
-        raise UserError(f"--out {out} holds a run or checkpoint already: continue it with --resume, train a new one with another "
-                        f"--out, or remove {out} to start over")
+        raise UserError(f"--out {out} holds a run or checkpoint already: continue it with --resume, train a new one "
+                        f"with another --out, or remove {out} to start over")
     other = next(other for other in (out.with_name(f"{out.name}-{n}") for n in itertools.count(2))
                  if run_or_checkpoint_holding(other) is None)
     log(f"plainformer: {out} holds a run already, kept; this one trains into {other} (--resume continues {out}, "
