@@ -38,7 +38,7 @@ from ..launch import is_main_process, launch_from_env
 from ..log import log
 from ..memory import MemoryBudgetError, format_size, keep_freed_memory, machine_memory, memory_limit, parse_size
 from ..models.family_model import FamilyModel
-from ..training.distributed import RankLost, run_torchrun
+from ..training.distributed import CollectiveTimeout, RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
 COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "search", "export", "attention", "prepare", "serve")
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_user_error(error):
             raise
         line = f"plainformer: error: {error}{_memory_hint(args, error)}"
-        if isinstance(error, RankLost) and error.reporting:  # rank 0 may be the rank lost
+        if isinstance(error, (RankLost, CollectiveTimeout)) and error.reporting:  # rank 0 may be the rank lost
             print(line, file=sys.stderr, flush=True)
         else:
             log(line)
