@@ -243,14 +243,6 @@ def test_a_sliding_window_past_the_context_is_refused_and_the_context_itself_tak
     assert pf.GPTConfig(**TINY, sliding_window=TINY["block_size"]).sliding_window == TINY["block_size"]
 
 
-@pytest.mark.parametrize("encoding", ["alibi", "learned", "sinusoidal"])
-def test_a_rope_base_given_to_an_encoding_that_never_reads_it_is_refused_by_name(encoding):
-    with pytest.raises(ValueError, match=rf"rope_base is read by pos_encoding='rope' only, got rope_base=500\.0 "
-                                         rf"with pos_encoding='{encoding}'"):
-        pf.GPTConfig(**TINY, pos_encoding=encoding, rope_base=500.0)
-    assert pf.GPTConfig(**TINY, pos_encoding="rope", rope_base=500.0).rope_base == 500.0
-
-
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_norm_eps_reaches_every_norm(norm):
     model = _gpt(norm=norm, norm_eps=1e-3)

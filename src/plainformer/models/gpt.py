@@ -75,9 +75,6 @@ from .family_model import FamilyModel
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
 
 
-_ROPE_BASE = 10000.0  # rotary's θ base (Su et al.), the default: the only rope_base an encoding other than rope takes
-
-
 @dataclasses.dataclass
 class GPTConfig(Config):
     """Shape and options of a `GPT`. vocab_size is usually set from the tokenizer at training time."""
@@ -96,7 +93,7 @@ class GPTConfig(Config):
     activation: str = one_of("gelu", ACTIVATIONS)
     tie_weights: bool = True
     backend: str = one_of("auto", BACKENDS)
-    rope_base: float = greater_than(_ROPE_BASE, 1)
+    rope_base: float = greater_than(10000.0, 1)
     norm_eps: float = positive_number(1e-5)
     # Attention variants, each off by default (nn/attention.py): see the README's table.
     qk_norm: bool = False
@@ -157,9 +154,6 @@ class GPTConfig(Config):
         if self.sliding_window is not None and self.sliding_window > self.block_size:
             raise ValueError(f"sliding_window must be at most block_size={self.block_size}, the context, got "
                              f"{self.sliding_window} (None: the whole context)")
-        if self.pos_encoding != "rope" and self.rope_base != _ROPE_BASE:
-            raise ValueError(f"rope_base is read by pos_encoding='rope' only, got rope_base={self.rope_base} with "
-                             f"pos_encoding={self.pos_encoding!r}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
