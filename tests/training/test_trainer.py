@@ -19,6 +19,7 @@ from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.config import Config
 from plainformer.files.run_lock import RunDirectoryBusy
 from plainformer.training.config import TrainConfig
+from plainformer.training.evaluation import Selection
 from plainformer.training.optim import lr_at, make_optimizer, parameter_groups
 from plainformer.training.trainer import Trainer, TrainingInterrupted
 
@@ -313,6 +314,44 @@ def test_fit_learns_and_writes_metrics_png_last_and_best(tmp_path):
     assert last.family == "tiny-lm" and last.model_config == TinyConfig().to_dict()
     assert last.train_config == small_config(max_steps=40, eval_interval=10, log_interval=5, lr=3e-2,
                                              save_interval=20).to_dict()
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_a_selection_keeps_in_best_the_weights_of_its_best_value_not_the_lowest_loss(tmp_path, higher_is_better):
+    scores = iter([2.0, 5.0, 1.0, 3.0])  # what the metric reads at steps 10, 20, 30, 40
+    seen = []
+
+    def score(model):
+        seen.append(model.training or torch.is_grad_enabled())
+        return {"metric": next(scores), "other": 0.5}
+
+    selection = Selection(score, "metric", higher_is_better=higher_is_better)
+    trainer = Trainer(fresh_model(), CountingTokens(), small_config(max_steps=40, eval_interval=10), tmp_path,
+                      progress=False, selection=selection)
+    metrics = trainer.fit()
+    best_step, best_value = (20, 5.0) if higher_is_better else (30, 1.0)
+    assert seen == [False] * 4  # scored in eval mode without autograd
+    assert read_metrics(tmp_path, "val_metric") == [(10, 2.0), (20, 5.0), (30, 1.0), (40, 3.0)]
+    assert read_metrics(tmp_path, "val_other") == [(step, 0.5) for step in (10, 20, 30, 40)]
+    best = load_checkpoint(tmp_path / "best").trainer_state
+    assert (best["step"], best["best_score"]) == (best_step, best_value)
+    assert metrics["best_val_metric"] == best_value and metrics["val_metric"] == 3.0
+    assert metrics["best_val_loss"] == min(loss for _, loss in read_metrics(tmp_path, "val_loss"))
+
+
+def test_a_resumed_run_keeps_the_selections_best_value(tmp_path):
+    values = {10: 5.0, 20: 1.0, 30: 4.0, 40: 2.0}
+
+    def run(max_steps, resume):
+        trainer = Trainer(fresh_model(), CountingTokens(), small_config(max_steps=max_steps, eval_interval=10,
+                                                                       decay_steps=40), tmp_path,
+                          progress=False, resume=resume,
+                          selection=Selection(lambda model: {"m": values[trainer.step]}, "m"))
+        return trainer.fit()
+
+    run(20, False)
+    metrics = run(40, True)
+    assert metrics["best_val_m"] == 5.0 and load_checkpoint(tmp_path / "best").trainer_state["step"] == 10
 
 
 def test_flash_attention_with_dropout_is_refused_before_training_starts(tmp_path):

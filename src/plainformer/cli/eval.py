@@ -33,7 +33,7 @@ def flag_families(name: str) -> tuple[str, ...]:
 
 
 # The flags of some families only (each family's `eval_options` says which apply to it).
-EVAL_FLAGS = ("data", "dtype", "quantize", "beam", "length_penalty", "task", "split")
+EVAL_FLAGS = ("data", "dtype", "quantize", "source_lang", "target_lang", "beam", "length_penalty", "task", "split")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +45,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     add_max_memory_argument(parser)
     gpt = parser.add_argument_group(f"language models [{', '.join(flag_families('data'))}]")
     gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
-                                   "bundled corpus)")
+                                   "bundled corpus); encoder-decoder: the pairs to score, in any form train's "
+                                   "--data takes (PREFIX of PREFIX.SRC and PREFIX.TGT, .tsv, .jsonl)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
     gpt.add_argument("--quantize", choices=("int8",), help=f"{QUANTIZE_HELP} [gpt]")
     seq2seq = parser.add_argument_group(f"encoder-decoder [{', '.join(flag_families('beam'))}]")
+    seq2seq.add_argument("--source-lang", metavar="LANG", help="the source language of --data (default: the run's)")
+    seq2seq.add_argument("--target-lang", metavar="LANG", help="the target language of --data (default: the run's)")
     seq2seq.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy (default: 1)")
     seq2seq.add_argument("--length-penalty", type=non_negative_number, default=None, help="α (default: 0.6)")
     seq2seq.add_argument("--task", choices=list(TASKS), help="default: the run's recipe.yaml")

@@ -62,15 +62,22 @@ from . import (
 _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "data": dict(metavar="DATA", help=(
         "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
-        "(default: the bundled Shakespeare)")),
+        "(default: the bundled Shakespeare); translation: PREFIX of PREFIX.SRC and PREFIX.TGT (plain or .gz), "
+        "a two-column .tsv or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}")),
     "val_data": dict(metavar="DATA", help=(
         "held-out validation data, in any form --data takes (default: the end of --data)")),
+    "source_lang": dict(metavar="LANG", help="translation: the source language, as the data names it (de)"),
+    "target_lang": dict(metavar="LANG", help="translation: the target language, as the data names it (en)"),
+    "batch_tokens": dict(type=positive_int, metavar="INT", help=(
+        "batches of sentences of similar length holding at most INT tokens a side, padding included (the "
+        "paper's batching), and at most --batch-size sentences")),
     "text_field": dict(metavar="NAME", help="the text field of JSON Lines records "
                                                               "(default: text)"),
     "tokenizer": dict(choices=("char", "bpe"), help="char or byte-level bpe"),
     "vocab_size": dict(
         type=positive_int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
-                                      "wordpiece); the model's vocab_size is the tokenizer's"),
+                                      "wordpiece; translation: SentencePiece, default 8000); the model's "
+                                      "vocab_size is the tokenizer's"),
     "seq_len": dict(type=positive_int, metavar="INT",
                       help="tokens per example (a window of text, a line)"),
     "task": dict(choices=list(TASKS), help="built-in sequence-to-sequence task"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,61 +161,139 @@ def train_tokenizer(task: Seq2SeqTask) -> BPETokenizer:
 
 # ----------------------------------------------------------------------------- batches
 
-class Seq2SeqBatches:
-    """Padded batches of token ids: {"src" (B, m), "tgt_in" (B, n), "tgt_out" (B, n)}.
+class PairBatches:
+    """Padded batches of token-id pairs: {"src" (B, m), "tgt_in" (B, n), "tgt_out" (B, n)}, for the trainer.
 
-    tgt_in = BOS y_1 .. y_k and tgt_out = y_1 .. y_k EOS; pad_id fills the rest. `get_batch` groups
-    sentences of similar length (as the paper's batches): each epoch, a seeded permutation of the
-    split is cut into pools of `pool_batches` batches, each pool is sorted by length and cut into
-    batches, and the batches are shuffled. Batch `index` is batch index mod E of epoch index // E
-    (E batches per epoch), so it depends only on (seed, split, index, batch_size).
+    src = x_1 .. x_k (then EOS where `source_eos`: Marian's and fairseq's convention), tgt_in = BOS y_1 .. y_l
+    and tgt_out = y_1 .. y_l EOS; pad_id fills the rest. `splits` maps a split name to its pairs (lists of ids
+    or `parallel.EncodedPairs`, through `pair(split, i)` and `lengths(split)`).
+
+    Sentences of similar length go together (as the paper's batches, section 5.1): each epoch, a seeded
+    permutation of the split is cut into pools of `pool_batches` x batch_size pairs, each pool is sorted by
+    length and cut into batches of at most batch_size pairs and, with `batch_tokens`, at most that many tokens
+    per side, padding counted (rows x the longest side); then the batches are shuffled. Batch `index` of a
+    split is its index-th across epochs, so it depends only on (seed, split, index, batch_size). With `max_len`
+    (a model's positions) the pairs a side of which is longer are left out; `left_out(split)` counts them.
     """
+
+    def __init__(self, splits: Mapping[str, Any], *, pad_id: int, bos_id: int, eos_id: int, seed: int = 0,
+                 pool_batches: int = 32, batch_tokens: int | None = None, source_eos: bool = False,
+                 max_len: int | None = None):
+        _checks.check_positive_int("pool_batches", pool_batches)
+        if batch_tokens is not None:
+            _checks.check_positive_int("batch_tokens", batch_tokens)
+        self.splits, self.seed, self.pool_batches, self.batch_tokens = dict(splits), seed, pool_batches, batch_tokens
+        self.pad_id, self.bos_id, self.eos_id, self.source_eos = pad_id, bos_id, eos_id, source_eos
+        self._lengths = {name: self._pair_lengths(pairs) for name, pairs in self.splits.items()}
+        self._rows = {name: np.flatnonzero(np.maximum(*lengths) <= (max_len or np.inf))
+                      for name, lengths in self._lengths.items()}  # the pairs that fit
+        self._epoch_cache: tuple[tuple[str, int, int], list[np.ndarray]] | None = None
+        self._counts: dict[tuple[str, int], list[int]] = {}  # (split, batch_size) -> batches of each epoch so far
+
+    def _pair_lengths(self, pairs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The padded width each pair needs on each side: source (+ EOS), target + 1 (BOS, or EOS)."""
+        if hasattr(pairs, "lengths"):
+            source, target = pairs.lengths()
+        else:
+            source = np.array([len(s) for s, _ in pairs], dtype=np.int64)
+            target = np.array([len(t) for _, t in pairs], dtype=np.int64)
+        return source + self.source_eos, target + 1
+
+    def _epoch(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
+        """The batches of one epoch; the latest asked for is kept (the trainer reads epochs in order)."""
+        key = (split, epoch, batch_size)
+        if self._epoch_cache is None or self._epoch_cache[0] != key:
+            self._epoch_cache = (key, self._batches(split, epoch, batch_size))
+        return self._epoch_cache[1]
+
+    def _locate(self, split: str, index: int, batch_size: int) -> tuple[int, int]:
+        """(epoch, batch within it) of batch `index`: epochs differ in length when batches count tokens."""
+        counts = self._counts.setdefault((split, batch_size), [])
+        epoch = 0
+        while True:
+            if epoch == len(counts):
+                counts.append(len(self._epoch(split, epoch, batch_size)))
+            if index < counts[epoch]:
+                return epoch, index
+            index -= counts[epoch]
+            epoch += 1
+
+    def left_out(self, split: str) -> int:
+        """The pairs of `split` longer than max_len, in no batch."""
+        return len(self._lengths[split][0]) - len(self._rows[split])
+
+    def _batches(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
+        source, target = self._lengths[split]
+        rng = np.random.default_rng((self.seed, _split_code(split), epoch))
+        order = self._rows[split][rng.permutation(len(self._rows[split]))]
+        lengths = source + target - 1  # the tokens of the pair, as a task's batches have always sorted them
+        pool = batch_size * self.pool_batches
+        batches: list[np.ndarray] = []
+        for start in range(0, len(order), pool):
+            chunk = order[start:start + pool]
+            chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            batches += self._cut(chunk, batch_size, source, target)
+        rng.shuffle(batches)  # a list of arrays shuffles in place
+        return batches
+
+    def _cut(self, rows: np.ndarray, batch_size: int, source: np.ndarray, target: np.ndarray) -> list[np.ndarray]:
+        """Consecutive runs of `rows` of at most batch_size pairs and batch_tokens padded tokens a side."""
+        if self.batch_tokens is None:
+            return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        batches, start, widest = [], 0, 0
+        for end, row in enumerate(rows):
+            width = max(widest, int(source[row]), int(target[row]))
+            if end > start and (end - start >= batch_size or (end - start + 1) * width > self.batch_tokens):
+                batches.append(rows[start:end])
+                start, width = end, max(int(source[row]), int(target[row]))
+            widest = width
+        return batches + [rows[start:]] if len(rows) else batches
+
+    def batches_per_epoch(self, split: str, batch_size: int) -> int:
+        return len(self._epoch(split, 0, batch_size))
+
+    def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
+        """Batch `index` of `split` (see the class docstring)."""
+        if split not in self.splits:
+            raise ValueError(f"split must be one of {', '.join(self.splits)}, got {split!r}")
+        check_batch_index(index, batch_size)
+        if not len(self._rows[split]):
+            raise ValueError(f"split {split!r} holds no pair" + (f" within max_len ({self.left_out(split):,} longer)"
+                                                                   if self.left_out(split) else ""))
+        epoch, within = self._locate(split, index, batch_size)
+        rows = self._epoch(split, epoch, batch_size)[within]
+        pairs = self.splits[split]
+        if hasattr(pairs, "source"):
+            return self.collate([(pairs.source(i), pairs.target(i)) for i in rows])
+        return self.collate([pairs[i] for i in rows])
+
+    def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, Tensor]:
+        """(source ids, target ids) pairs -> the padded batch."""
+        def pad(rows: list[Sequence[int]]) -> Tensor:
+            return pad_sequence([torch.as_tensor(np.asarray(r, dtype=np.int64)) for r in rows], batch_first=True,
+                                padding_value=self.pad_id)
+
+        eos = [self.eos_id] if self.source_eos else []
+        return {"src": pad([[*s, *eos] for s, _ in examples]),
+                "tgt_in": pad([[self.bos_id, *t] for _, t in examples]),
+                "tgt_out": pad([[*t, self.eos_id] for _, t in examples])}
+
+
+def _split_code(split: str) -> int:
+    return _SPLIT_CODES.get(split, len(_SPLIT_CODES))
+
+
+class Seq2SeqBatches(PairBatches):
+    """`PairBatches` of a built-in task's three splits, encoded with `tokenizer` (which has <pad>, <bos>,
+    <eos>), batch_size pairs a batch."""
 
     def __init__(self, task: Seq2SeqTask, tokenizer, *, seed: int = 0, pool_batches: int = 32):
         for role in SPECIAL_TOKENS:
             if getattr(tokenizer, f"{role}_id") is None:
                 raise ValueError(f"the tokenizer must have a <{role}> token for sequence-to-sequence "
                                  f"batches; it has {sorted(tokenizer.special_tokens)}")
-        _checks.check_positive_int("pool_batches", pool_batches)
-        self.task, self.tokenizer, self.seed, self.pool_batches = task, tokenizer, seed, pool_batches
-        self.pad_id, self.bos_id, self.eos_id = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-        self._examples = {split: [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in task.pairs[split]]
-                          for split in SPLITS}
-        self._epoch_cache: tuple[tuple[str, int, int], list[np.ndarray]] | None = None
-
-    def _epoch(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
-        key = (split, epoch, batch_size)
-        if self._epoch_cache is None or self._epoch_cache[0] != key:
-            examples = self._examples[split]
-            rng = np.random.default_rng((self.seed, _SPLIT_CODES[split], epoch))
-            order = rng.permutation(len(examples))
-            lengths = np.array([len(s) + len(t) for s, t in examples])
-            pool = batch_size * self.pool_batches
-            batches = []
-            for start in range(0, len(order), pool):
-                chunk = order[start:start + pool]
-                chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-                batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-            rng.shuffle(batches)
-            self._epoch_cache = (key, batches)
-        return self._epoch_cache[1]
-
-    def get_batch(self, split: str, index: int, batch_size: int) -> dict[str, Tensor]:
-        """Batch `index` of `split` (see the class docstring)."""
-        _check_split(split)
-        check_batch_index(index, batch_size)
-        if not self._examples[split]:
-            raise ValueError(f"split {split!r} of task {self.task.name!r} is empty")
-        per_epoch = len(self._epoch(split, 0, batch_size))
-        rows = self._epoch(split, index // per_epoch, batch_size)[index % per_epoch]
-        return self.collate([self._examples[split][i] for i in rows])
-
-    def collate(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
-        """(source ids, target ids) pairs -> the padded batch."""
-        def pad(rows: list[list[int]]) -> Tensor:
-            return pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True,
-                                padding_value=self.pad_id)
-
-        return {"src": pad([s for s, _ in examples]),
-                "tgt_in": pad([[self.bos_id, *t] for _, t in examples]),
-                "tgt_out": pad([[*t, self.eos_id] for _, t in examples])}
+        self.task, self.tokenizer = task, tokenizer
+        splits = {split: [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in task.pairs[split]]
+                  for split in SPLITS}
+        super().__init__(splits, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                         seed=seed, pool_batches=pool_batches)

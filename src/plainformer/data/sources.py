@@ -175,6 +175,12 @@ def _text_lines_or_blocks(file: DataFile, progress: Progress, *, lines: bool) ->
         progress(raw.tell() - reported)
 
 
+def text_lines(path: Path, progress: Progress | None = None) -> Iterator[str]:
+    """The lines of a text file, plain or gzipped (`.gz`), decoded as UTF-8 (a leading BOM dropped, line ends
+    made "\\n" and kept), read lazily; a byte that is not UTF-8 is a ValueError naming the file and line."""
+    return _text_lines_or_blocks(DataFile(Path(path), "file"), progress or (lambda n: None), lines=True)
+
+
 def _utf8_error(file: DataFile) -> ValueError:
     """The first undecodable byte of `file`, located by line (no UTF-8 sequence spans a newline)."""
     with _open_binary(file) as f:

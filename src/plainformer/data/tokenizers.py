@@ -137,8 +137,8 @@ class Tokenizer(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _files(self) -> dict[str, str]:
-        """File name -> content: what `save` writes and `fingerprint` hashes."""
+    def _files(self) -> dict[str, str | bytes]:
+        """File name -> content (text, or bytes for a binary model): what `save` writes and `fingerprint` hashes."""
         ...
 
     @classmethod
@@ -169,7 +169,9 @@ class Tokenizer(abc.ABC):
         """sha256 of the saved form: equal fingerprints encode every text identically."""
         digest = hashlib.sha256()
         for name, content in sorted(self._files().items()):
-            digest.update(f"{name}\0{content}\0".encode())
+            digest.update(f"{name}\0".encode())
+            digest.update(content if isinstance(content, bytes) else content.encode())
+            digest.update(b"\0")
         return digest.hexdigest()
 
     def save(self, directory: str | os.PathLike) -> Path:
@@ -182,7 +184,10 @@ class Tokenizer(abc.ABC):
             files[CHAT_TEMPLATE_FILE] = self.chat_template
         for name, content in files.items():
             with atomic_path(directory / name) as tmp:
-                tmp.write_text(content, encoding="utf-8")
+                if isinstance(content, bytes):
+                    tmp.write_bytes(content)
+                else:
+                    tmp.write_text(content, encoding="utf-8")
         return directory
 
     def __repr__(self) -> str:
@@ -231,7 +236,7 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         return "".join(self.chars[i] for i in _id_list(ids, self.vocab_size))
 
-    def _files(self) -> dict[str, str]:
+    def _files(self) -> dict[str, str | bytes]:
         state = {"kind": self.kind, "format_version": FORMAT_VERSION, "chars": self.chars}
         return {TOKENIZER_FILE: json.dumps(state, ensure_ascii=False, indent=1)}
 
@@ -279,7 +284,7 @@ class _HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | Tensor, *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(_id_list(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
 
-    def _files(self) -> dict[str, str]:
+    def _files(self) -> dict[str, str | bytes]:
         side = {"kind": self.kind, "format_version": FORMAT_VERSION, "special_tokens": self.special_tokens}
         return {TOKENIZER_FILE: self._tok.to_str(), SIDE_FILE: json.dumps(side, indent=1)}
 
@@ -455,7 +460,93 @@ class WordPieceTokenizer(_HFTokenizer):
             "token_type_ids": torch.tensor([e.type_ids for e in encodings], dtype=torch.long),
         }
 
-_KINDS: dict[str, type[Tokenizer]] = {t.kind: t for t in (CharTokenizer, BPETokenizer, WordPieceTokenizer)}
+class SentencePieceTokenizer(Tokenizer):
+    """SentencePiece (Kudo & Richardson 2018): subwords learnt by BPE (Sennrich et al. 2016) on raw text, a
+    space written as "▁" inside the pieces, so that `decode(encode(text))` gives the text back (NFKC-normalised)
+    without a detokenizer. Translation uses one model learnt on both languages (the paper's shared vocabulary);
+    it is the tokenizer of Marian and opus-mt, which transformers' MarianTokenizer and CTranslate2 read.
+
+    Ids: <pad> 0, <unk> 1, <s> 2 (bos), </s> 3 (eos), then the pieces. Saved as the model's own bytes
+    (`sentencepiece.model`) beside a tokenizer.json naming the kind.
+    """
+
+    kind = "sentencepiece"
+    MODEL_FILE = "sentencepiece.model"
+    special_tokens: Mapping[str, str] = {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"}
+
+    def __init__(self, model: bytes):
+        import sentencepiece as spm
+
+        self._model = bytes(model)
+        self._sp = spm.SentencePieceProcessor(model_proto=self._model)
+        for role, token in self.special_tokens.items():
+            if self._sp.piece_to_id(token) != getattr(self._sp, f"{role}_id")():
+                raise ValueError(f"the SentencePiece model's {role} piece is not {token!r}")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, *, max_sentences: int = 2_000_000,
+              threads: int = 2) -> SentencePieceTokenizer:
+        """Learn a BPE model of `vocab_size` pieces (specials included) on `texts`, streamed: SentencePiece
+        keeps a random sample of at most `max_sentences` of them (its input_sentence_size)."""
+        import io
+
+        import sentencepiece as spm
+
+        _checks.check_positive_int("vocab_size", vocab_size)
+        _checks.check_positive_int("max_sentences", max_sentences)
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=(_check_text("texts item", t) for t in texts), model_writer=model,
+                vocab_size=vocab_size, model_type="bpe", character_coverage=1.0,
+                input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=threads,
+                pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
+                bos_piece="<s>", eos_piece="</s>", minloglevel=2)
+        except RuntimeError as error:  # e.g. "Vocabulary size is too high (8000). Please set it to a value <= 5012."
+            raise ValueError(f"SentencePiece could not learn a vocabulary of {vocab_size} pieces: {error}") from None
+        return cls(model.getvalue())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != "<unk>" else i
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._sp.id_to_piece(i)
+
+    def pieces(self, text: str) -> list[str]:
+        """The pieces of `text` as strings ("▁A", "▁man", ...): what CTranslate2 takes."""
+        return self._sp.encode(_check_text("text", text), out_type=str)
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(_check_text("text", text))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode([_check_text("texts item", t) for t in texts])
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        return self._sp.decode(_id_list(ids, self.vocab_size))  # control pieces (<pad>, <s>, </s>) decode to ""
+
+    def _files(self) -> dict[str, str | bytes]:
+        state = {"kind": self.kind, "format_version": FORMAT_VERSION, "model": self.MODEL_FILE}
+        return {TOKENIZER_FILE: json.dumps(state, indent=1), self.MODEL_FILE: self._model}
+
+    @classmethod
+    def _from_saved(cls, directory: Path, state: dict[str, Any]) -> SentencePieceTokenizer:
+        path = directory / cls.MODEL_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"SentencePiece model not found: {path}")
+        try:
+            return cls(path.read_bytes())
+        except RuntimeError as error:
+            raise ValueError(f"{path} is not a SentencePiece model ({error})") from None
+
+
+_KINDS: dict[str, type[Tokenizer]] = {
+    t.kind: t for t in (CharTokenizer, BPETokenizer, WordPieceTokenizer, SentencePieceTokenizer)}
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

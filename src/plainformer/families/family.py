@@ -28,6 +28,7 @@ from ..memory import check_memory
 from ..models.family_model import FamilyModel, check_stored_parameters
 from ..nn.lora import LoRAConfig
 from ..training.config import TrainConfig
+from ..training.evaluation import Selection
 from ..training.kernels import chosen_kernels, keep_kernels, run_kernels
 from ..training.trainer import Trainer
 from .memory_estimates import context_length, held_bytes, training_bytes
@@ -245,7 +246,7 @@ def _before_the_data(run: Run, config: Config) -> Config:
 
 
 def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainConfig | None = None,
-        adapter: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        adapter: Mapping[str, Any] | None = None, selection: Selection | None = None) -> dict[str, Any]:
     """Train `model` as `run` says, once the data and the model are ready: the memory it needs is checked
     first (`check_training_memory`); a float32 run's linear layers then multiply on the kernels measured
     faster here, or on those the run kept when it resumes (`training.kernels`), applied to the model for
@@ -268,7 +269,7 @@ def fit(run: Run, model: nn.Module, source: Any, tokenizer: Any, train: TrainCon
     with chosen_kernels(model, kernels):
         trainer = Trainer(model, source, train, run.out, tokenizer=tokenizer,
                           resume=run.checkpoint if run.checkpoint is not None else False, progress=run.progress,
-                          adapter=adapter)
+                          adapter=adapter, selection=selection)
         metrics = trainer.fit(on_locked=on_locked)
     return {**metrics, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}

@@ -79,7 +79,9 @@ def kv_width(config: Any) -> int:
 
 
 def _attention_dropout(c: Any) -> float:
-    return getattr(c, "attention_dropout", c.dropout)
+    """The attention weights' dropout: attention_dropout where a config has one that is set, else dropout."""
+    rate = getattr(c, "attention_dropout", None)
+    return c.dropout if rate is None else rate
 
 
 def scores(c: Any, keys: int) -> int:

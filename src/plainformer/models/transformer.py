@@ -19,7 +19,7 @@ Decoding (section 6.1) binds the encoder memory of the sources to the decoder (`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -62,6 +62,8 @@ class TransformerConfig(Config):
     d_model: int = checked(512, _checks.check_positive_int, check_even_d_model)  # sinusoidal positions
     d_ff: int = positive_int(2048)
     dropout: float = probability(0.1)
+    attention_dropout: float | None = probability(None)  # on the attention weights; None: dropout
+    activation_dropout: float | None = probability(None)  # on the feed-forward's hidden layer; None: dropout
     activation: str = one_of("relu", ACTIVATIONS)
     norm_first: bool = False
     share_embeddings: bool = True
@@ -71,6 +73,7 @@ class TransformerConfig(Config):
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    source_eos: bool = False  # each source ends with eos_id (fairseq's and Marian's convention)
     backend: str = one_of("auto", BACKENDS)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
@@ -122,7 +125,8 @@ def _stack_options(config: TransformerConfig) -> dict[str, Any]:
     """What the encoder and the decoder stack share, as the config says (it checked them: the stacks
     do not check them again)."""
     return dict(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff, max_len=config.max_len,
-                pad_id=config.pad_id, dropout=config.dropout, activation=config.activation,
+                pad_id=config.pad_id, dropout=config.dropout, attention_dropout=config.attention_dropout,
+                activation_dropout=config.activation_dropout, activation=config.activation,
                 norm_first=config.norm_first, n_kv_heads=config.n_kv_heads, backend=config.backend,
                 validate_args=False)
 
@@ -237,9 +241,11 @@ class Transformer(FamilyModel):
         return tokens
 
     def translate(self, texts: Sequence[str], *, beam_size: int = 1, length_penalty: float = 0.6,
-                  batch_size: int = 64, tokenizer: Any = None) -> list[str]:
+                  batch_size: int = 64, tokenizer: Any = None,
+                  progress: Callable[[int], object] | None = None) -> list[str]:
         """Translate sentences with `tokenizer` (default: the checkpoint's), batching sources of
-        similar length together; the translations come back in the order of `texts`."""
+        similar length together; the translations come back in the order of `texts`. `progress` is told
+        the sentences of each batch once translated."""
         tokenizer = tokenizer or self.tokenizer
         if tokenizer is None:
             raise ValueError("translate needs a tokenizer: pass tokenizer=... or load the model with "
@@ -247,7 +253,8 @@ class Transformer(FamilyModel):
         if isinstance(texts, str):
             raise TypeError("texts must be a list of str, got a str; wrap one sentence in a list")
         _checks.check_positive_int("batch_size", batch_size)
-        encoded = [torch.tensor(tokenizer.encode(text), dtype=torch.long) for text in texts]
+        eos = [self.config.eos_id] if self.config.source_eos else []
+        encoded = [torch.tensor([*ids, *eos] if ids else [], dtype=torch.long) for ids in tokenizer.encode_many(texts)]
         order = sorted((i for i in range(len(encoded)) if len(encoded[i])), key=lambda i: len(encoded[i]))
         device = self.output.weight.device
         translations = [""] * len(encoded)  # an empty source translates to an empty target
@@ -257,4 +264,6 @@ class Transformer(FamilyModel):
             for i, row in zip(chunk, self.generate(src.to(device), beam_size=beam_size,
                                                    length_penalty=length_penalty), strict=True):
                 translations[i] = tokenizer.decode(row[1:])
+            if progress is not None:
+                progress(len(chunk))
         return translations

@@ -64,7 +64,8 @@ class _ResidualLayer(nn.Module):
 
     Submodules: `self_attn` (and `cross_attn`), `ff`, `norm1` .. `norm{k}`, `dropout1` .. `dropout{k}`.
     The attention takes d_model, n_heads, n_kv_heads, bias, backend and attention_dropout (default:
-    dropout); the feed-forward d_ff, activation and dropout; the norms norm and norm_eps; norm_first
+    dropout); the feed-forward d_ff, activation and activation_dropout (on its hidden layer; default:
+    dropout); the norms norm and norm_eps; norm_first
     is pre-LN. validate_args=False skips the checks: for a layer built by a stack or a model that
     checked them (see `MultiHeadAttention`).
     """
@@ -78,13 +79,17 @@ class _ResidualLayer(nn.Module):
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.1,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm: str = "layernorm", norm_eps: float = 1e-5, bias: bool = True,
-                 attention_dropout: float | None = None, backend: str = "auto", validate_args: bool = True):
+                 attention_dropout: float | None = None, activation_dropout: float | None = None,
+                 backend: str = "auto", validate_args: bool = True):
         super().__init__()
         if validate_args:
             check_layer_args(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
                              n_kv_heads=n_kv_heads, norm=norm, attention_dropout=attention_dropout,
                              backend=backend)
+            if activation_dropout is not None:
+                _checks.check_probability("activation_dropout", activation_dropout)
         attention_dropout = dropout if attention_dropout is None else attention_dropout
+        activation_dropout = dropout if activation_dropout is None else activation_dropout
         self.norm_first = norm_first
 
         def attention() -> MultiHeadAttention:
@@ -94,7 +99,7 @@ class _ResidualLayer(nn.Module):
         self.self_attn = attention()
         if self.cross_attention:
             self.cross_attn = attention()
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias=bias, validate_args=False)
+        self.ff = FeedForward(d_model, d_ff, activation, activation_dropout, bias=bias, validate_args=False)
         sublayers = 3 if self.cross_attention else 2
         for i in range(1, sublayers + 1):
             self.add_module(f"norm{i}", make_norm(norm, d_model, eps=norm_eps, bias=bias, validate_args=False))
@@ -156,6 +161,7 @@ class TokenStack(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, n_heads: int, d_ff: int, n_layers: int,
                  max_len: int, *, pad_id: int | None = None, dropout: float = 0.1,
+                 attention_dropout: float | None = None, activation_dropout: float | None = None,
                  activation: str = "relu", norm_first: bool = False, n_kv_heads: int | None = None,
                  norm_eps: float = 1e-5, backend: str = "auto", validate_args: bool = True):
         super().__init__()
@@ -165,14 +171,18 @@ class TokenStack(nn.Module):
             if pad_id is not None:
                 _checks.check_index("pad_id", pad_id, vocab_size, "vocab_size")
             check_layer_args(d_model, n_heads, d_ff, dropout=dropout, activation=activation,
-                             n_kv_heads=n_kv_heads, norm="layernorm", attention_dropout=None, backend=backend)
+                             n_kv_heads=n_kv_heads, norm="layernorm", attention_dropout=attention_dropout,
+                             backend=backend)
+            if activation_dropout is not None:
+                _checks.check_probability("activation_dropout", activation_dropout)
             check_even_d_model("d_model", d_model)
         self.vocab_size, self.d_model, self.pad_id = vocab_size, d_model, pad_id
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len, validate_args=False)
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
-            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
+            self.layer_type(d_model, n_heads, d_ff, dropout=dropout, attention_dropout=attention_dropout,
+                            activation_dropout=activation_dropout, activation=activation, norm_first=norm_first,
                             n_kv_heads=n_kv_heads, norm_eps=norm_eps, backend=backend, validate_args=False)
             for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm_first else nn.Identity()

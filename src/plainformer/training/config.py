@@ -33,7 +33,8 @@ class TrainConfig(Config):
     `parallel` picks DDP or FSDP2 under torchrun ("auto": DDP when there is more than one process). `optimizer`
     "muon" trains the blocks' matrices with Muon at peak rate `muon_lr` (same schedule) and everything else with
     AdamW (training/optim.py). `dtype` "auto" is bfloat16 autocast where bf16 matmuls are natively fast (on a CPU:
-    for a model at least 128 wide), float32 elsewhere (training/precision.py)."""
+    for a model at least 128 wide), float32 elsewhere (training/precision.py). `keep_checkpoints` N keeps the
+    weights of the last N saves of last/ as OUT/checkpoints/step-NNNNNNN, to average (checkpoint/average.py)."""
 
     max_steps: int = positive_int(2000)
     batch_size: int = positive_int(12)
@@ -56,6 +57,7 @@ class TrainConfig(Config):
     eval_batch_size: int | None = positive_int(None)
     log_interval: int = positive_int(10)
     save_interval: int = non_negative_int(250)
+    keep_checkpoints: int = non_negative_int(0)
     dtype: str = one_of("auto", DTYPES)
     seed: int = non_negative_int(1337)
     max_time: float | None = positive_number(None)

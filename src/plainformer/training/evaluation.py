@@ -6,8 +6,9 @@ Each function puts the model in eval mode for the call (dropout off) and restore
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,21 @@ from .. import _checks
 from ..constants import IGNORE_INDEX  # labels that are not scored
 from ..nn.dtypes import at_least_float32
 from ..nn.modes import eval_mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What chooses a run's best/ in place of the lowest validation loss: `score(model) -> {metric: value}`,
+    run by the Trainer at each evaluation (the model in eval mode, without autograd; every value is logged as
+    val_<metric>), and `metric`, the one of them whose best value keeps best/: the highest where
+    `higher_is_better` (BLEU, accuracy), else the lowest."""
+
+    score: Callable[[nn.Module], Mapping[str, float]]
+    metric: str
+    higher_is_better: bool = True
+
+    def improves(self, value: float, best: float | None) -> bool:
+        return best is None or (value > best if self.higher_is_better else value < best)
 
 
 @contextlib.contextmanager
@@ -84,25 +100,59 @@ BLEU_TOKENIZERS = ("13a", "char")
 
 def score_translations(model: nn.Module, sources: Sequence[str], references: Sequence[str], *,
                        beam_size: int = 1, length_penalty: float = 0.6, batch_size: int = 100,
-                       tokenize: str = "13a") -> dict[str, Any]:
-    """Translate `sources` with `model.translate` and compare with `references`: corpus BLEU
-    (sacrebleu, 0 .. 100, on 13a word tokens or, with tokenize="char", characters) and the fraction of
-    sentences translated exactly."""
-    import sacrebleu
-
-    _checks.check_choice("tokenize", tokenize, BLEU_TOKENIZERS)
+                       tokenize: str = "13a", target_lang: str | None = None) -> dict[str, Any]:
+    """Translate `sources` with `model.translate` and compare with `references` (`translation_scores`), and
+    time it."""
     if len(sources) != len(references) or not references:
         raise ValueError(f"sources and references must be equally long and non-empty, got "
                          f"{len(sources)} and {len(references)}")
+    _checks.check_choice("tokenize", tokenize, BLEU_TOKENIZERS)
     start = time.perf_counter()
     with evaluating(model):
         hypotheses = model.translate(  # type: ignore[operator]  # any module with a translate method
             list(sources), beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size)
     elapsed = time.perf_counter() - start
-    exact = sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
-    bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)], tokenize=tokenize).score
-    return {"bleu": bleu, "exact_match": exact, "sentences": len(references), "beam": beam_size,
-            "decode_s": elapsed, "sentences_per_s": len(references) / max(elapsed, 1e-9)}
+    return {**translation_scores(hypotheses, references, tokenize=tokenize, target_lang=target_lang),
+            "sentences": len(references), "beam": beam_size, "decode_s": elapsed,
+            "sentences_per_s": len(references) / max(elapsed, 1e-9)}
+
+
+def translation_scores(hypotheses: Sequence[str], references: Sequence[str], *, tokenize: str = "13a",
+                       target_lang: str | None = None) -> dict[str, float]:
+    """Corpus scores of `hypotheses` against `references` (one each), with sacrebleu:
+
+    - bleu: BLEU (Papineni et al. 2002), 0 .. 100, on sacrebleu's 13a word tokens of the cased, detokenized
+      text (its defaults), or with tokenize="char" on characters;
+    - chrf: chrF (Popović 2015), the character n-gram F-score, 0 .. 100;
+    - tokenized_bleu, given `target_lang`: BLEU of both sides lowercased, punctuation-normalised and
+      tokenized as Moses' scripts do (sacremoses' MosesPunctNormalizer and MosesTokenizer(escape=True)),
+      scored without further tokenization: the "tokenized BLEU" papers on Multi30k report;
+    - exact_match: the fraction of sentences translated exactly.
+    """
+    import sacrebleu
+
+    _checks.check_choice("tokenize", tokenize, BLEU_TOKENIZERS)
+    if len(hypotheses) != len(references) or not references:
+        raise ValueError(f"hypotheses and references must be equally long and non-empty, got "
+                         f"{len(hypotheses)} and {len(references)}")
+    hypotheses, references = list(hypotheses), list(references)
+    scores = {"bleu": sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize).score,
+              "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
+              "exact_match": sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)}
+    if target_lang is not None:
+        moses = moses_tokenized(target_lang)
+        tokenized = [moses(h) for h in hypotheses], [moses(r) for r in references]
+        scores["tokenized_bleu"] = sacrebleu.corpus_bleu(tokenized[0], [tokenized[1]], tokenize="none").score
+    return scores
+
+
+def moses_tokenized(lang: str) -> Callable[[str], str]:
+    """text -> lowercased, Moses-normalised, Moses-tokenized (with Moses' escapes), as the scripts
+    `lowercase.perl | normalize-punctuation.perl -l L | tokenizer.perl -l L` write it."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    normalizer, tokenizer = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
+    return lambda text: tokenizer.tokenize(normalizer.normalize(text.lower()), escape=True, return_str=True)
 
 
 def mean_loss(model: nn.Module, source: Any, n_batches: int, batch_size: int) -> float:

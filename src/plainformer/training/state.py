@@ -24,14 +24,15 @@ def _empty_log_window() -> dict[str, Any]:
 class TrainerState(Config):
     """Where a run stands after `step` optimizer steps.
 
-    data_position: micro-batches drawn so far, the index of the next; best_val_loss, train_loss, val_loss:
-    the lowest and the latest logged losses (None before the first); elapsed_s: wall-clock seconds of
-    the run, sessions before a resume included; world_size: processes that wrote it; evaluated_step:
-    the step of the latest evaluation; log_window: the loss sum and number of the steps since the last
-    log line, so that a resumed run logs the same mean; planned_steps: max_steps as fit_to_time planned
-    it. The fields with defaults are absent from checkpoints of older plainformers; those of the
-    plainformers that chose the linear layers' kernels in the Trainer hold them as "linear_kernels", which
-    is no field: the run's kernels are its own (`kernels.kept_kernels` reads them).
+    data_position: micro-batches drawn so far, the index of the next; best_val_loss, train_loss, val_loss: the
+    lowest and the latest logged losses (None before the first); elapsed_s: wall-clock seconds of the run,
+    sessions before a resume included; world_size: processes that wrote it; evaluated_step: the step of the
+    latest evaluation; log_window: the loss sum and number of the steps since the last log line, so that a
+    resumed run logs the same mean; planned_steps: max_steps as fit_to_time planned it; best_score: the best
+    value of the metric that chooses best/ where one does (`Selection`). The fields with defaults are absent
+    from checkpoints of older plainformers; those of the plainformers that chose the linear layers' kernels in
+    the Trainer hold them as "linear_kernels", which is no field: the run's kernels are its own
+    (`kernels.kept_kernels` reads them).
     """
 
     step: int
@@ -44,6 +45,7 @@ class TrainerState(Config):
     evaluated_step: int | None = None
     log_window: dict[str, Any] = dataclasses.field(default_factory=_empty_log_window)
     planned_steps: int | None = None
+    best_score: float | None = None
 
     @classmethod
     def fresh(cls) -> TrainerState:
@@ -62,7 +64,7 @@ class TrainerState(Config):
         valid = {
             "step": _count(self.step), "data_position": _count(self.data_position),
             **{name: getattr(self, name) is None or _checks.is_number(getattr(self, name))
-               for name in ("best_val_loss", "train_loss", "val_loss")},
+               for name in ("best_val_loss", "train_loss", "val_loss", "best_score")},
             "elapsed_s": _checks.is_number(self.elapsed_s),
             **{name: getattr(self, name) is None or _count(getattr(self, name))
                for name in ("world_size", "evaluated_step", "planned_steps")},

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from ..checkpoint.average import keep_last, kept_checkpoint
 from ..checkpoint.format import Checkpoint, CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from ..config import Config
 from ..files.run_lock import run_lock
@@ -45,6 +46,7 @@ from .bookkeeping import (
 )
 from .config import TrainConfig
 from .distributed import Distributed, process_group
+from .evaluation import Selection, evaluating
 from .moe_stats import MoEStats, plot_expert_load
 from .optim import lr_at, make_optimizer, set_lr
 from .planner import StepPlanner
@@ -76,6 +78,9 @@ class Trainer:
     checkpoint, already loaded (and verified) by the caller, which is then not read again. Either
     way it must hold the family and model config of the model being trained.
 
+    best/ holds the weights of the lowest validation loss, or, given a `selection` (`evaluation.Selection`), of
+    the best value of its metric (a translation's BLEU, a classifier's accuracy), which each evaluation scores.
+
     `adapter` (a JSON object: the LoRA config and the base model's reference) marks a LoRA run: its
     checkpoints hold only what it trains (`nn.lora.adapter_state_names`), with `adapter` in config.json,
     and it resumes only from checkpoints of the same adapter.
@@ -91,7 +96,7 @@ class Trainer:
     def __init__(self, model: nn.Module, source: Any, config: TrainConfig, out_dir: str | os.PathLike,
                  *, family: str | None = None, model_config: Config | Mapping[str, Any] | None = None,
                  tokenizer: Any = None, resume: bool | Checkpoint = False, progress: bool = True,
-                 adapter: Mapping[str, Any] | None = None):
+                 adapter: Mapping[str, Any] | None = None, selection: Selection | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(getattr(source, "get_batch", None)):
@@ -118,6 +123,9 @@ class Trainer:
         self._config_class = type(model_config) if isinstance(model_config, Config) else None
         self.tokenizer = tokenizer
         self.progress = progress
+        self.selection = selection
+        self.best_score: float | None = None
+        self._scores: dict[str, float] = {}  # the selection's metrics at the latest evaluation
         self.adapter = None if adapter is None else json.loads(json.dumps(dict(adapter)))
         self._saved_names = None if adapter is None else adapter_state_names(model)
         self._group = contextlib.ExitStack()
@@ -214,6 +222,7 @@ class Trainer:
         """Stand where `state` says: at the start, or where a checkpoint left off (`_state` is its inverse)."""
         self.step, self.data_position = state.step, state.data_position
         self.best_val_loss, self.train_loss, self.val_loss = state.best_val_loss, state.train_loss, state.val_loss
+        self.best_score = state.best_score
         self._elapsed_before = state.elapsed_s  # seconds of the sessions before this one
         self._evaluated_step = state.evaluated_step
         self._unlogged = state.log_window  # the log window a resumed run continues
@@ -226,7 +235,8 @@ class Trainer:
         return TrainerState(step=self.step, data_position=self.data_position, best_val_loss=self.best_val_loss,
                             train_loss=self.train_loss, val_loss=self.val_loss, elapsed_s=self._elapsed(),
                             world_size=self.dist.world_size, evaluated_step=self._evaluated_step,
-                            log_window=self._window.state(), planned_steps=self.planner.planned)
+                            log_window=self._window.state(), planned_steps=self.planner.planned,
+                            best_score=self.best_score)
 
     def _start_rng(self) -> None:
         """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
@@ -378,7 +388,7 @@ class Trainer:
         self._plot()
         seconds = self._phases.breakdown(watch.total, time.perf_counter() - self._session_start)
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
-                "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
+                "best_val_loss": self.best_val_loss, **self._selection_metrics(), "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by,
                 "seconds": seconds}
 
@@ -466,16 +476,39 @@ class Trainer:
         start = time.perf_counter()
         with self._phases.timing("evaluation"):
             self.val_loss = self.evaluate()
+            if self.selection is not None:
+                with evaluating(self.model):
+                    self._scores = dict(self.selection.score(self.model))
         self._evaluated_step, self._last_is_current = self.step, False
-        self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
-        if self.best_val_loss is None or self.val_loss < self.best_val_loss:
+        self._record(val_loss=self.val_loss, **{f"val_{k}": v for k, v in self._scores.items()},
+                     elapsed_s=self._elapsed())
+        lowest = self.best_val_loss is None or self.val_loss < self.best_val_loss
+        if lowest:
             self.best_val_loss = self.val_loss
+        if self.selection is None:
+            keep = lowest
+        else:
+            keep = self.selection.improves(self._scores[self.selection.metric], self.best_score)
+            if keep:
+                self.best_score = self._scores[self.selection.metric]
+        if keep:
             self._save("best", with_optimizer=False)
         self._eval_seconds += time.perf_counter() - start
+
+    def _selection_metrics(self) -> dict[str, float | None]:
+        """The selection's metrics at the latest evaluation (val_bleu ...) and the best of the one choosing best/."""
+        if self.selection is None:
+            return {}
+        best = {f"best_val_{self.selection.metric}": self.best_score}
+        return {**{f"val_{k}": v for k, v in self._scores.items()}, **best}
 
     def _save_last(self) -> None:
         self._stop_if_diverged()
         self._save("last", with_optimizer=True)
+        if self.config.keep_checkpoints:
+            self._save(str(kept_checkpoint(".", self.step)), with_optimizer=False)
+            if self.dist.is_main:
+                keep_last(self.out_dir, self.config.keep_checkpoints)
         self._last_is_current = True
         self._saved_step = self.step
 
