@@ -122,6 +122,7 @@ def test_a_rope_base_given_with_an_encoding_that_never_reads_it_is_refused_by_na
                                         rf"--pos-encoding {encoding}: drop it$"):
         _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 500.0}, tmp_path)
     assert _resolve("nanogpt-cpu", {"pos_encoding": encoding}, tmp_path).model.pos_encoding == encoding
+    assert _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 10000.0}, tmp_path)  # a recipe.yaml's
     assert _resolve("nanogpt-cpu", {"pos_encoding": "rope", "rope_base": 500.0}, tmp_path).model.rope_base == 500.0
 
 

@@ -30,7 +30,8 @@ from .family import FINE_TUNING_OPTIONS, Family, Run, plain
 RECIPE_OPTIONS = tuple(dict.fromkeys(name for family in trained() for name in family.options))
 #: Options that may change on --resume: how to run, not what.
 RUN_OPTIONS = ("threads",)
-#: Model fields that one value of another field alone reads: given beside any other, nothing would read them.
+#: Model fields that one value of another field alone reads: given beside any other (and other than their default,
+#: which every recipe.yaml holds), nothing would read them.
 READ_ONLY_WITH = {"rope_base": ("pos_encoding", "rope")}
 
 
@@ -121,9 +122,10 @@ def _check_applicable(given: Mapping[str, Any], family: Family, preset: str, fin
 
 def _refuse_unread(model_given: Mapping[str, Any], model: Config | None) -> None:
     """A UserError for a model field given that the model's other fields leave unread (READ_ONLY_WITH)."""
+    defaults = {} if model is None else {f.name: f.default for f in dataclasses.fields(model)}
     for name, (other, value) in READ_ONLY_WITH.items():
         chosen = getattr(model, other, value)
-        if name in model_given and chosen != value:
+        if name in model_given and model_given[name] != defaults.get(name) and chosen != value:
             raise UserError(f"--{name.replace('_', '-')} is read by --{other.replace('_', '-')} {value} only, not by "
                             f"this run's --{other.replace('_', '-')} {chosen}: drop it")
 
