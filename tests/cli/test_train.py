@@ -209,3 +209,19 @@ def test_the_readme_command_run_twice_keeps_the_first_run_and_trains_into_the_ne
     assert _files(first) == before
     assert main(["sample", "--ckpt", str(first), "--prompt", "To", "--max-new-tokens", "2"]) == 0  # `&& sample`
     assert _resolve("--resume").out == first  # --resume continues the default, not a new name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sliding-window", "1000", "--block-size", "32"], "sliding_window must be at most block_size=32, the context, "
+                                                         "got 1000 (None: the whole context)"),
+    (["--sliding-window", "1" * 23], f"sliding_window must be at most block_size=128, the context, got {'1' * 23}"),
+    (["--pos-encoding", "alibi", "--rope-base", "500"], "--rope-base is read by --pos-encoding rope only, not by this "
+                                                        "run's --pos-encoding alibi: drop it"),
+])
+def test_values_checked_against_each_other_are_one_line_before_anything_is_written(argv, message, tmp_path, capsys,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "--out", str(tmp_path / "run"), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [f"plainformer: error: {message}"]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
