@@ -214,7 +214,8 @@ def test_the_readme_command_run_twice_keeps_the_first_run_and_trains_into_the_ne
 @pytest.mark.parametrize("argv, message", [
     (["--sliding-window", "1000", "--block-size", "32"], "sliding_window must be at most block_size=32, the context, "
                                                          "got 1000 (None: the whole context)"),
-    (["--sliding-window", "1" * 23], f"sliding_window must be at most block_size=128, the context, got {'1' * 23}"),
+    (["--sliding-window", "1" * 23], f"sliding_window must be at most block_size=128, the context, got {'1' * 23} "
+                                     "(None: the whole context)"),
     (["--pos-encoding", "alibi", "--rope-base", "500"], "--rope-base is read by --pos-encoding rope only, not by this "
                                                         "run's --pos-encoding alibi: drop it"),
 ])
