@@ -118,6 +118,16 @@ def test_a_value_that_does_not_apply_to_the_recipe_is_refused_saying_where_it_ap
         _resolve(preset, given, tmp_path)
 
 
+@pytest.mark.parametrize("encoding", ["alibi", "learned", "sinusoidal"])
+def test_a_rope_base_given_with_an_encoding_that_never_reads_it_is_refused_by_name(encoding, tmp_path):
+    with pytest.raises(UserError, match=rf"^--rope-base is read by --pos-encoding rope only, not by this run's "
+                                        rf"--pos-encoding {encoding}: drop it$"):
+        _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 500.0}, tmp_path)
+    assert _resolve("nanogpt-cpu", {"pos_encoding": encoding}, tmp_path).model.pos_encoding == encoding
+    assert _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 10000.0}, tmp_path)  # a recipe.yaml's
+    assert _resolve("nanogpt-cpu", {"pos_encoding": "rope", "rope_base": 500.0}, tmp_path).model.rope_base == 500.0
+
+
 def test_a_data_option_given_as_blank_text_is_refused_naming_the_flag():
     check_data_paths({"data": "x.txt", "val_data": None})
     with pytest.raises(UserError, match=r"^--val-data must name a file, folder or glob, got ' '$"):

@@ -240,6 +240,14 @@ def test_config_rejects_odd_dimensions_for_rope_and_sinusoidal_positions():
         pf.GPTConfig(**{**TINY, "d_model": 33, "n_heads": 3}, pos_encoding="sinusoidal")
 
 
+@pytest.mark.parametrize("window", [TINY["block_size"] + 1, 10**22])
+def test_a_sliding_window_past_the_context_is_refused_and_the_context_itself_taken(window):
+    with pytest.raises(ValueError, match=rf"sliding_window must be at most block_size={TINY['block_size']}, the "
+                                         rf"context, got {window}"):
+        pf.GPTConfig(**TINY, sliding_window=window)
+    assert pf.GPTConfig(**TINY, sliding_window=TINY["block_size"]).sliding_window == TINY["block_size"]
+
+
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_norm_eps_reaches_every_norm(norm):
     model = _gpt(norm=norm, norm_eps=1e-3)

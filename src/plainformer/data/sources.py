@@ -137,6 +137,8 @@ def open_source(data: str | os.PathLike | None = None, *, text_field: str = "tex
             raise FileNotFoundError(f"no file matches {data}")
         return Source(str(data), tuple(DataFile(p, "jsonl" if _is_jsonl(p) else "file") for p in matches),
                       text_field)
+    if path.exists():  # a device, a pipe, a socket: nothing a size and a second pass can be had from
+        raise ValueError(f"data {path} is not a regular file: give a text file, .gz, folder, glob or .jsonl[.gz]")
     raise FileNotFoundError(f"data file not found: {path}")
 
 
@@ -223,6 +225,8 @@ def _raw_jsonl(file: DataFile, text_field: str, progress: Progress) -> Iterator[
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{file.path} line {number}: invalid JSON ({err.msg} at column {err.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{file.path} line {number}: the JSON nests too deeply to read") from None
         if not isinstance(record, dict):
             raise ValueError(f"{file.path} line {number}: expected a JSON object, got {type(record).__name__}")
         if text_field not in record:

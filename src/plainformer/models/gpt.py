@@ -157,6 +157,9 @@ class GPTConfig(Config):
                              "would zero the embedding")
         if self.attn_softcap is not None:
             check_softcap_backend(self.backend, "attn_softcap")
+        if self.sliding_window is not None and self.sliding_window > self.block_size:
+            raise ValueError(f"sliding_window must be at most block_size={self.block_size}, the context, got "
+                             f"{self.sliding_window} (None: the whole context)")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
