@@ -15,8 +15,8 @@ from plainformer.training.state import TrainerState
 # What the trainer wrote before TrainerState existed (the "rng" keys aside): the file format it keeps.
 WRITTEN = {"step": 40, "data_position": 80, "best_val_loss": 1.25, "train_loss": 1.5, "val_loss": 1.375,
            "elapsed_s": 12.5, "world_size": 2, "evaluated_step": 40,
-           "log_window": {"loss_sum": 0.75, "steps": 3}, "planned_steps": 90}
-# A checkpoint of a plainformer from before world_size, evaluated_step, log_window and planned_steps.
+           "log_window": {"loss_sum": 0.75, "steps": 3}, "planned_steps": 90, "best_metric": 0.875}
+# A checkpoint of a plainformer from before world_size, evaluated_step, log_window, planned_steps and best_metric.
 OLDEST = {k: WRITTEN[k] for k in ("step", "data_position", "best_val_loss", "train_loss", "val_loss", "elapsed_s")}
 
 
@@ -37,14 +37,15 @@ def test_the_file_written_holds_the_fields_of_before_and_reads_back_equal(tmp_pa
 def test_a_checkpoint_of_an_older_plainformer_reads_with_the_defaults():
     state = TrainerState.from_checkpoint(checkpoint_holding(OLDEST))
     assert state.to_dict() == {**OLDEST, "world_size": None, "evaluated_step": None,
-                               "log_window": {"loss_sum": 0.0, "steps": 0}, "planned_steps": None}
+                               "log_window": {"loss_sum": 0.0, "steps": 0}, "planned_steps": None,
+                               "best_metric": None}
 
 
 def test_a_fresh_state_is_a_run_before_its_first_step():
     assert TrainerState.fresh().to_dict() == {
         "step": 0, "data_position": 0, "best_val_loss": None, "train_loss": None, "val_loss": None,
         "elapsed_s": 0.0, "world_size": None, "evaluated_step": None, "log_window": {"loss_sum": 0.0, "steps": 0},
-        "planned_steps": None}
+        "planned_steps": None, "best_metric": None}
 
 
 def test_the_rng_states_and_other_keys_are_left_to_the_checkpoint():
@@ -67,6 +68,7 @@ def test_a_field_without_a_default_missing_is_refused_naming_the_file():
 @pytest.mark.parametrize("edit, field", [
     (dict(step="3"), "step"), (dict(step=True), "step"), (dict(data_position=-1), "data_position"),
     (dict(val_loss="low"), "val_loss"), (dict(best_val_loss=False), "best_val_loss"),
+    (dict(best_metric="0.9"), "best_metric"),
     (dict(elapsed_s=None), "elapsed_s"), (dict(world_size=1.0), "world_size"),
     (dict(evaluated_step=1.5), "evaluated_step"), (dict(planned_steps=-2), "planned_steps"),
     (dict(log_window=[1.0, 2]), "log_window"), (dict(log_window={"loss_sum": 1.0}), "log_window"),

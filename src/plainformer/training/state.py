@@ -25,11 +25,12 @@ class TrainerState(Config):
     """Where a run stands after `step` optimizer steps.
 
     data_position: micro-batches drawn so far, the index of the next; best_val_loss, train_loss, val_loss:
-    the lowest and the latest logged losses (None before the first); elapsed_s: wall-clock seconds of
-    the run, sessions before a resume included; world_size: processes that wrote it; evaluated_step:
-    the step of the latest evaluation; log_window: the loss sum and number of the steps since the last
-    log line, so that a resumed run logs the same mean; planned_steps: max_steps as fit_to_time planned
-    it. The fields with defaults are absent from checkpoints of older plainformers; those of the
+    the lowest and the latest logged losses (None before the first); best_metric: the best value of the
+    validation metric best/ is chosen by, when the source has one (`trainer.Selection`); elapsed_s:
+    wall-clock seconds of the run, sessions before a resume included; world_size: processes that wrote
+    it; evaluated_step: the step of the latest evaluation; log_window: the loss sum and number of the
+    steps since the last log line, so that a resumed run logs the same mean; planned_steps: max_steps as
+    fit_to_time planned it. The fields with defaults are absent from checkpoints of older plainformers; those of the
     plainformers that chose the linear layers' kernels in the Trainer hold them as "linear_kernels", which
     is no field: the run's kernels are its own (`kernels.kept_kernels` reads them).
     """
@@ -44,6 +45,7 @@ class TrainerState(Config):
     evaluated_step: int | None = None
     log_window: dict[str, Any] = dataclasses.field(default_factory=_empty_log_window)
     planned_steps: int | None = None
+    best_metric: float | None = None
 
     @classmethod
     def fresh(cls) -> TrainerState:
@@ -62,7 +64,7 @@ class TrainerState(Config):
         valid = {
             "step": _count(self.step), "data_position": _count(self.data_position),
             **{name: getattr(self, name) is None or _checks.is_number(getattr(self, name))
-               for name in ("best_val_loss", "train_loss", "val_loss")},
+               for name in ("best_val_loss", "train_loss", "val_loss", "best_metric")},
             "elapsed_s": _checks.is_number(self.elapsed_s),
             **{name: getattr(self, name) is None or _count(getattr(self, name))
                for name in ("world_size", "evaluated_step", "planned_steps")},

@@ -3,8 +3,9 @@
 A model is trainable when `model(**batch)` returns `(logits, loss)`; a batch source is anything with
 `get_batch(split, index, batch_size) -> dict[str, Tensor]`, deterministic in (split, index). The
 trainer draws micro-batch `index` = the global micro-batch counter, so the data position is that one
-integer, and evaluates on the fixed validation batches 0 .. eval_batches-1. The update rule and the
-schedules are in `optim.py`. Under torchrun each process reads its rows of the same global batches
+integer, and evaluates on the fixed validation batches 0 .. eval_batches-1. A source may also score the
+model on its validation data, and best/ is then the model its score prefers (`Selection`). The update rule
+and the schedules are in `optim.py`. Under torchrun each process reads its rows of the same global batches
 and only rank 0 prints and writes files (`distributed.py`).
 """
 
@@ -54,6 +55,29 @@ from .state import TrainerState
 from .tensorboard import tensorboard_log
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The validation metric that chooses best/, for a batch source that scores the model itself.
+
+    Such a source has `validation_metrics(model) -> {name: number}`, which the trainer calls at each
+    evaluation with the model in eval mode under torch.no_grad (every rank alike, each on the whole
+    validation data), and `selection`, a `Selection` naming one of the metrics (`metric`) and whether
+    higher is better: accuracy for a classifier, BLEU for a translator. The metrics are logged beside the
+    validation loss; best/ keeps the model whose selection metric is best so far (not the one whose loss
+    is lowest), and the run's result gains best_{metric}. A "val_loss" among the metrics, computed in the
+    same pass, is the run's validation loss; without one the trainer computes its own on eval_batches.
+    """
+
+    metric: str
+    higher_is_better: bool = True
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether `value` is better than `best` (None: nothing yet); a NaN never is."""
+        if best is None:
+            return not math.isnan(value)
+        return value > best if self.higher_is_better else value < best
+
+
 def check_trainable(model: nn.Module) -> None:
     """Refuse, before training starts, attention that would fail at its first training step: the
     "flash" backend applies no attention dropout, so a module that has some trains with another backend
@@ -75,6 +99,9 @@ class Trainer:
     `out_dir/last`, which may have been written at another world size; `resume` may also be that
     checkpoint, already loaded (and verified) by the caller, which is then not read again. Either
     way it must hold the family and model config of the model being trained.
+
+    A source that scores the model (`validation_metrics` and `selection`, see `Selection`) chooses best/ by
+    its metric.
 
     `adapter` (a JSON object: the LoRA config and the base model's reference) marks a LoRA run: its
     checkpoints hold only what it trains (`nn.lora.adapter_state_names`), with `adapter` in config.json,
@@ -103,6 +130,11 @@ class Trainer:
             raise TypeError(f"resume must be a bool or a loaded Checkpoint, got {type(resume).__name__}")
         check_trainable(model)
         self.model, self.source, self.config = model, source, config
+        self._scores = getattr(source, "validation_metrics", None)
+        self.selection: Selection | None = getattr(source, "selection", None) if self._scores is not None else None
+        if self._scores is not None and not isinstance(self.selection, Selection):
+            raise TypeError(f"{type(source).__name__} has validation_metrics, so its `selection` must be a "
+                            f"trainer.Selection naming the metric that chooses best/, got {self.selection!r}")
         self.out_dir = Path(out_dir)
         family = family or getattr(model, "family", None)
         if not isinstance(family, str):
@@ -214,6 +246,7 @@ class Trainer:
         """Stand where `state` says: at the start, or where a checkpoint left off (`_state` is its inverse)."""
         self.step, self.data_position = state.step, state.data_position
         self.best_val_loss, self.train_loss, self.val_loss = state.best_val_loss, state.train_loss, state.val_loss
+        self.best_metric = state.best_metric
         self._elapsed_before = state.elapsed_s  # seconds of the sessions before this one
         self._evaluated_step = state.evaluated_step
         self._unlogged = state.log_window  # the log window a resumed run continues
@@ -226,7 +259,8 @@ class Trainer:
         return TrainerState(step=self.step, data_position=self.data_position, best_val_loss=self.best_val_loss,
                             train_loss=self.train_loss, val_loss=self.val_loss, elapsed_s=self._elapsed(),
                             world_size=self.dist.world_size, evaluated_step=self._evaluated_step,
-                            log_window=self._window.state(), planned_steps=self.planner.planned)
+                            log_window=self._window.state(), planned_steps=self.planner.planned,
+                            best_metric=self.best_metric)
 
     def _start_rng(self) -> None:
         """Ranks a resumed checkpoint has no state for (it was written by fewer) start fresh streams."""
@@ -282,6 +316,19 @@ class Trainer:
         """Mean loss over the fixed validation batches 0 .. eval_batches-1."""
         losses = self._validation_losses(self._validation_batches())
         return self.dist.mean(torch.stack(losses).mean()).item()
+
+    @torch.no_grad()
+    def _validation_metrics(self) -> dict[str, float]:
+        """The source's scores of the model on its validation data (`Selection`); {} when it has none."""
+        if self._scores is None:
+            return {}
+        assert self.selection is not None  # checked when the trainer was built
+        with eval_mode(self.model), self._autocast():
+            metrics = {name: float(value) for name, value in self._scores(self.model).items()}
+        if self.selection.metric not in metrics:
+            raise ValueError(f"{type(self.source).__name__}.validation_metrics gave {', '.join(metrics)}: no "
+                             f"{self.selection.metric!r}, the metric its selection names")
+        return metrics
 
     @torch.no_grad()
     def _time_evaluation(self) -> float:
@@ -377,8 +424,9 @@ class Trainer:
                 self._save_last()
         self._plot()
         seconds = self._phases.breakdown(watch.total, time.perf_counter() - self._session_start)
+        best = {} if self.selection is None else {f"best_{self.selection.metric}": self.best_metric}
         return {"step": self.step, "train_loss": self.train_loss, "val_loss": self.val_loss,
-                "best_val_loss": self.best_val_loss, "dtype": cfg.dtype,
+                "best_val_loss": self.best_val_loss, **best, "dtype": cfg.dtype,
                 "tokens_per_s": window.throughput(watch.total), "elapsed_s": self._elapsed(), "stopped_by": stopped_by,
                 "seconds": seconds}
 
@@ -395,7 +443,13 @@ class Trainer:
     def _time_evaluation_for_plan(self) -> float:
         """e for the planner: an evaluation (`_time_evaluation`) and the checkpoint one writes when it
         improves (best/), timed by writing last/ now, which the run keeps; their seconds count as evaluating
-        (the planner's clock leaves them out of the steps' time)."""
+        (the planner's clock leaves them out of the steps' time). A source that scores the model (`Selection`:
+        no share of a scoring tells its cost) is timed on one whole evaluation, which counts as the run's
+        evaluation at this step, best/ included."""
+        if self._scores is not None:
+            start = time.perf_counter()
+            self._evaluate_and_keep_best()  # counts its own seconds as evaluating
+            return time.perf_counter() - start
         start = time.perf_counter()
         with self._phases.timing("evaluation"):
             seconds = self._time_evaluation()
@@ -465,11 +519,18 @@ class Trainer:
         self._stop_if_diverged()
         start = time.perf_counter()
         with self._phases.timing("evaluation"):
-            self.val_loss = self.evaluate()
+            metrics = self._validation_metrics()
+            self.val_loss = metrics.pop("val_loss") if "val_loss" in metrics else self.evaluate()
         self._evaluated_step, self._last_is_current = self.step, False
-        self._record(val_loss=self.val_loss, elapsed_s=self._elapsed())
-        if self.best_val_loss is None or self.val_loss < self.best_val_loss:
+        self._record(val_loss=self.val_loss, **metrics, elapsed_s=self._elapsed())
+        lower_loss = self.best_val_loss is None or self.val_loss < self.best_val_loss
+        if lower_loss:
             self.best_val_loss = self.val_loss
+        selection = self.selection
+        improved = lower_loss if selection is None else selection.improves(metrics[selection.metric], self.best_metric)
+        if improved:
+            if selection is not None:
+                self.best_metric = metrics[selection.metric]
             self._save("best", with_optimizer=False)
         self._eval_seconds += time.perf_counter() - start
 
