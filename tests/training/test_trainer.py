@@ -20,7 +20,7 @@ from plainformer.config import Config
 from plainformer.files.run_lock import RunDirectoryBusy
 from plainformer.training.config import TrainConfig
 from plainformer.training.optim import lr_at, make_optimizer, parameter_groups
-from plainformer.training.trainer import Trainer, TrainingInterrupted
+from plainformer.training.trainer import Selection, Trainer, TrainingInterrupted
 
 VOCAB, SEQ = 13, 8
 
@@ -570,3 +570,66 @@ def test_a_compiled_run_says_once_what_its_first_step_cost(tmp_path, monkeypatch
     train(tmp_path, max_steps=3, compile=compiled)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compile: the first step took")]
     assert len(lines) == (1 if compiled else 0)
+
+
+# ----------------------------------------------------------------------------- best/ by a source's metric
+
+SCORE = Selection("val_score")
+
+
+class ScoredTokens(CountingTokens):
+    """CountingTokens that score the model: the scores given, one per evaluation, whatever the model."""
+
+    def __init__(self, scores, selection=SCORE, val_loss=None):
+        super().__init__()
+        self.scores, self.selection, self.val_loss, self.scored = list(scores), selection, val_loss, 0
+
+    def validation_metrics(self, model):
+        assert not model.training and not torch.is_grad_enabled()
+        self.scored += 1
+        return {"val_score": self.scores.pop(0), **({} if self.val_loss is None else {"val_loss": self.val_loss})}
+
+
+def _best_step(out_dir) -> int:
+    return load_checkpoint(out_dir / "best").trainer_state["step"]
+
+
+@pytest.mark.parametrize("higher_is_better, best_step, best", [(True, 20, 0.9), (False, 10, 0.2)])
+def test_a_scoring_source_chooses_best_by_its_metric_not_the_loss(tmp_path, higher_is_better, best_step, best):
+    source = ScoredTokens([0.2, 0.9, 0.5, 0.7], Selection("val_score", higher_is_better))
+    _, metrics = train(tmp_path, source, max_steps=40, eval_interval=10, lr=3e-2)
+    assert read_metrics(tmp_path, "val_score") == [(10, 0.2), (20, 0.9), (30, 0.5), (40, 0.7)]
+    assert metrics["best_val_score"] == best and _best_step(tmp_path) == best_step
+    val = read_metrics(tmp_path, "val_loss")  # the trainer's own loss, still logged
+    assert metrics["best_val_loss"] == min(loss for _, loss in val) and val[-1][1] < val[0][1]
+
+
+def test_a_scoring_sources_val_loss_is_the_runs_and_replaces_the_trainers_pass(tmp_path):
+    model = fresh_model()
+    evaluated = []
+    model.register_forward_hook(lambda module, args, out: evaluated.append(not module.training))
+    _, metrics = train(tmp_path, ScoredTokens([0.5, 0.6], val_loss=1.5), model=model, max_steps=20, eval_interval=10)
+    assert metrics["val_loss"] == metrics["best_val_loss"] == 1.5 and not any(evaluated)
+    assert read_metrics(tmp_path, "val_loss") == [(10, 1.5), (20, 1.5)]
+
+
+def test_a_resumed_run_keeps_the_best_metric_of_before(tmp_path):
+    train(tmp_path, ScoredTokens([0.2, 0.9]), max_steps=20, eval_interval=10, save_interval=20, decay_steps=40)
+    _, metrics = train(tmp_path, ScoredTokens([0.5, 0.7]), resume=True, max_steps=40, eval_interval=10,
+                       decay_steps=40)
+    assert metrics["best_val_score"] == 0.9 and _best_step(tmp_path) == 20
+
+
+def test_fit_to_time_keeps_the_evaluation_it_times_for_a_scoring_source(tmp_path):
+    source = ScoredTokens([0.9, 0.1])
+    fitted = dict(max_steps=40, max_time=60.0, fit_to_time=True, warmup_steps=10, eval_interval=0)
+    _, metrics = train(tmp_path, source, **fitted)
+    assert source.scored == 2 and read_metrics(tmp_path, "val_score") == [(11, 0.9), (metrics["step"], 0.1)]
+    assert _best_step(tmp_path) == 11
+
+
+def test_a_scoring_source_without_a_selection_or_its_metric_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="its `selection` must be a trainer.Selection"):
+        train(tmp_path, ScoredTokens([0.5], selection="val_score"))
+    with pytest.raises(ValueError, match="gave val_score: no 'accuracy', the metric its selection names"):
+        train(tmp_path / "other", ScoredTokens([0.5], selection=Selection("accuracy")), max_steps=2)

@@ -38,7 +38,6 @@ from ..data.labelled import Fields, read_classification_data, read_labelled
 from ..data.tokenizers import WordPieceTokenizer
 from ..errors import UserError
 from ..hf.auto import hf_family, load_hf, save_hf
-from ..hf.bert import load_hf_bert_classifier
 from ..hf.directory import is_hf_directory
 from ..hf.sentence import load_bert
 from ..launch import is_main_process
@@ -169,7 +168,8 @@ def classifier_from_base(directory: Path, changes: Mapping[str, Any]) -> BertFor
 def _classifier_in(directory: Path) -> BertForSequenceClassification | None:
     """The classifier a directory holds (Hugging Face's, or a whole-model bert-cls checkpoint), else None."""
     if is_hf_directory(directory):
-        return load_hf_bert_classifier(directory) if hf_family(directory) == BERT_CLS_NAME else None
+        model = load_hf(directory) if hf_family(directory) == BERT_CLS_NAME else None
+        return model if isinstance(model, BertForSequenceClassification) else None
     checkpoint = load_checkpoint(directory)
     if checkpoint.family != BERT_CLS_NAME or checkpoint.adapter is not None:
         return None
