@@ -47,7 +47,7 @@ def _resolve(preset: str, given: dict, out: Path, *, resume: bool = False, saved
 def test_the_trained_families_configs_each_once_with_the_fields_their_data_decides():
     assert model_configs() == (pf.GPTConfig, pf.BertConfig, pf.TransformerConfig)
     assert data_fields(pf.GPTConfig) == {"vocab_size"}
-    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels"}  # bert-mlm's and bert-cls's
+    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels", "label_names"}  # bert-mlm's, bert-cls's
     assert data_fields(pf.TransformerConfig) == {"src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"}
 
 
@@ -98,7 +98,7 @@ def test_a_fine_tuning_run_leaves_the_model_to_init_with_the_fields_given(tmp_pa
 
 @pytest.mark.parametrize("preset, given, message", [
     ("nanogpt-cpu", {"task": "copy"}, r"^--task applies to transformer recipes, not to 'nanogpt-cpu' \(gpt\)$"),
-    ("seq2seq-copy", {"data": "x.txt"}, r"^--data applies to gpt, bert-mlm recipes, not to 'seq2seq-copy'"),
+    ("seq2seq-copy", {"data": "x.txt"}, r"^--data applies to gpt, bert-mlm, bert-cls recipes, not to 'seq2seq-copy'"),
     ("nanogpt-cpu", {"lora_r": 4}, r"^--lora-r applies to the fine-tuning recipes \(gpt-finetune, bert-finetune\), "
                                    r"not to 'nanogpt-cpu', which trains from scratch$"),
     ("nanogpt-cpu", {"n_encoder_layers": 2}, r"^--n-encoder-layers is not a field of GPTConfig, the model of "

@@ -124,8 +124,9 @@ class ClassificationBatchSource:
     "train": the training rows in epochs, each in an order shuffled by (seed, epoch), read as one stream;
     every GROUP_BATCHES batches' rows of it are sorted by length, cut into batches, and the batches shuffled
     by (seed, group): batch `index` is a function of (seed, index, batch_size), and pads little.
-    "val": the validation rows sorted by length, the i-th slice of B of them, i = index mod ceil(N/B), so
-    that indices 0 .. ceil(N/B) - 1 cover the validation examples exactly once (`val_rows` says which).
+    "val": the validation rows sorted by length and cut into ceil(N/B) batches, taken in an order shuffled by
+    the seed (so that batch 0 is of a typical length, as the kernels measured on it want): batch index mod
+    ceil(N/B), so that indices 0 .. ceil(N/B) - 1 cover the validation examples exactly once.
     """
 
     def __init__(self, data: ClassificationData, tokenizer: WordPieceTokenizer, max_len: int, *, seed: int = 0):
@@ -143,10 +144,11 @@ class ClassificationBatchSource:
         """Batches that cover `split` once."""
         return -(-len(self.data.examples(split)) // batch_size)
 
-    def val_rows(self, index: int, batch_size: int) -> np.ndarray:
-        """The validation rows (indices into data.val) of batch `index`."""
+    def _val_rows(self, index: int, batch_size: int) -> np.ndarray:
         if batch_size not in self._val_batches:
-            self._val_batches[batch_size] = self.encoded["val"].by_length(batch_size)
+            batches = self.encoded["val"].by_length(batch_size)
+            order = torch.randperm(len(batches), generator=_generator(self.seed, "val", batch_size)).tolist()
+            self._val_batches[batch_size] = [batches[i] for i in order]
         batches = self._val_batches[batch_size]
         return batches[index % len(batches)]
 
@@ -155,7 +157,7 @@ class ClassificationBatchSource:
         if _checks.check_choice("split", split, SPLITS) == "train":
             rows = self._train_rows(index, batch_size)
         else:
-            rows = self.val_rows(index, batch_size)
+            rows = self._val_rows(index, batch_size)
         return {**self.encoded[split].batch(rows), "labels": torch.from_numpy(self._labels[split][rows])}
 
     def _train_rows(self, index: int, batch_size: int) -> np.ndarray:
