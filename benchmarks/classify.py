@@ -26,11 +26,9 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import extra_peak_bytes
+from attention import extra_peak_bytes, median_times
 from plainformer.data.classification import ClassificationBatchSource
 from plainformer.data.labelled import read_classification_data, read_labelled
 from plainformer.families.classifier import class_probabilities, classifier_from_base
@@ -157,16 +155,6 @@ def train_peer(directory: Path, batches: list[dict[str, torch.Tensor]], args: ar
     return clock.tokens_per_s(args.warmup)
 
 
-def median_seconds(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def classify_rows(directory: Path, sentences: list[str], args: argparse.Namespace) -> tuple[list[dict], float]:
     import transformers
 
@@ -185,7 +173,7 @@ def classify_rows(directory: Path, sentences: list[str], args: argparse.Namespac
     theirs = torch.tensor([[entry["score"] for entry in sorted(row, key=lambda e: ours.config.class_names().index(
         e["label"]))] for row in pipeline(sentences, batch_size=b)])
     difference = float((class_probabilities(ours, sentences, batch_size=b, max_len=SEQ_LEN) - theirs).abs().max())
-    seconds = median_seconds(calls, args.repeats)
+    seconds = median_times(calls, args.repeats)
     peer = len(sentences) / seconds["classify: pipeline"]
     rows = []
     for name, call in calls.items():

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .classification import ClassificationData, Examples
+from .sources import json_record
 
 VAL_FRACTION = 0.1
 TEXT_FIELDS = ("sentence", "text")
@@ -156,7 +157,7 @@ def _read_json_lines(path: Path, stream: TextIO, fields: Fields) -> LabelledRows
         if not line.strip():
             blank += 1
             continue
-        record = _json_object(path, number, line)
+        record = json_record(line, f"{path}:{number}")
         if names is None:  # the first record decides the default text field
             names = _field_names(path, fields, list(record), f"line {number}'s record", line=number)
             rows = LabelledRows(path, [], [] if "pair" in names else None, [], [])
@@ -171,16 +172,6 @@ def _read_json_lines(path: Path, stream: TextIO, fields: Fields) -> LabelledRows
         raise ValueError(f"{path} holds no labelled rows")
     rows.blank_lines = blank
     return rows
-
-
-def _json_object(path: Path, number: int, line: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{number}: not JSON ({error.msg}, column {error.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}:{number}: a JSON object per line, got {type(record).__name__}")
-    return record
 
 
 def _json_value(path: Path, number: int, role: str, name: str, value: Any) -> str:
