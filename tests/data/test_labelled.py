@@ -88,6 +88,9 @@ def test_classification_data_names_its_classes_and_maps_validation_labels(tmp_pa
     val = _tsv(tmp_path / "val.tsv", [("v", "pos"), ("w", "neg"), ("u", "pos")])
     data = read_classification_data(train, val)
     assert data.classes == ("neg", "pos") and data.val.labels == (1, 0, 1) and len(data.train) == 6
+    assert data.blank_lines == 0
+    val.write_text(val.read_text() + "\n\n")
+    assert read_classification_data(train, val).blank_lines == 2
     split = read_classification_data(train)
     assert len(split.train) + len(split.val) == 6 and set(split.val.labels) == {0, 1}
 

@@ -49,11 +49,13 @@ class Examples:
 
 @dataclasses.dataclass(frozen=True)
 class ClassificationData:
-    """Training and validation examples of `classes` (label i names classes[i])."""
+    """Training and validation examples of `classes` (label i names classes[i]); `blank_lines`: those of the
+    files read, skipped."""
 
     classes: tuple[str, ...]
     train: Examples
     val: Examples
+    blank_lines: int = 0
 
     def examples(self, split: str) -> Examples:
         return self.train if _checks.check_choice("split", split, SPLITS) == "train" else self.val

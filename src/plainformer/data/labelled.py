@@ -263,9 +263,11 @@ def read_classification_data(data: str | os.PathLike, val_data: str | os.PathLik
         if not val_rows:
             raise ValueError(f"{rows.path}: {len(rows)} rows are too few to split off validation rows; "
                              "give --val-data")
-        return ClassificationData(classes, rows.examples(classes, train_rows), rows.examples(classes, val_rows))
+        return ClassificationData(classes, rows.examples(classes, train_rows), rows.examples(classes, val_rows),
+                                  rows.blank_lines)
     held_out = read_labelled(val_data, fields)
     if (held_out.pairs is None) != (rows.pairs is None):
         raise ValueError(f"{held_out.path} and {rows.path} must both have the pair field, or neither")
     return ClassificationData(classes, rows.examples(classes),
-                              held_out.examples(classes, known=f"the labels of the training data {rows.path}"))
+                              held_out.examples(classes, known=f"the labels of the training data {rows.path}"),
+                              rows.blank_lines + held_out.blank_lines)

@@ -89,7 +89,8 @@ def _describe(data: ClassificationData, options: Mapping[str, Any]) -> str:
     else:
         where = (f"{options['data']}, validation {options['val_data']}" if options.get("val_data") is not None
                  else f"{options['data']}, a stratified validation split of it")
-    return (f"task: {len(data.classes)} classes, {where}: training {_counts(data, 'train')}; "
+    blank = f" ({data.blank_lines:,} blank lines skipped)" if data.blank_lines else ""
+    return (f"task: {len(data.classes)} classes, {where}{blank}: training {_counts(data, 'train')}; "
             f"validation {_counts(data, 'val')}")
 
 
