@@ -202,3 +202,11 @@ def test_a_slice_of_sst2_is_learnt_in_seconds_above_70_percent(capsys, tmp_path)
     assert code == 0, err
     metrics = json.loads(lines[-1])
     assert metrics["val_accuracy"] > 0.70 and metrics["majority_baseline"] < 0.55
+
+
+def test_a_classifier_run_resumes_with_its_classes_and_best_accuracy(capsys, base, data, tmp_path):
+    finetune(capsys, base, data, tmp_path / "run", "--max-steps", "3", "--save-interval", "3", "--decay-steps", "6")
+    first_best = pf.load_checkpoint(tmp_path / "run" / "best").trainer_state["best_metric"]
+    metrics = finetune(capsys, base, data, tmp_path / "run", "--resume", "--decay-steps", "6")
+    assert metrics["step"] == 6 and metrics["best_val_accuracy"] >= first_best
+    assert metrics["classes"] == ["negative", "neutral", "positive"]
