@@ -65,6 +65,7 @@ def test_files_of_different_lengths_are_refused_naming_both_files_and_counts(tmp
     ("a\tb\tc\n", r"train\.tsv:1: expected 2 tab-separated columns"),
     ('{"translation": {"de": "x"}}\n', r"train\.jsonl:1: translation\.en must be a string, got nothing"),
     ('{"text": "x"}\n', r"train\.jsonl:1: expected an object \{\"translation\""),
+    ('["x"]\n', r"train\.jsonl:1: expected a JSON object, got list"),
     ('{"translation": \n', r"train\.jsonl:1: invalid JSON"),
     ("[" * 100_000 + "]" * 100_000 + "\n", r"train\.jsonl:1: the JSON nests too deeply"),
 ])

@@ -47,7 +47,7 @@ def _resolve(preset: str, given: dict, out: Path, *, resume: bool = False, saved
 def test_the_trained_families_configs_each_once_with_the_fields_their_data_decides():
     assert model_configs() == (pf.GPTConfig, pf.BertConfig, pf.TransformerConfig)
     assert data_fields(pf.GPTConfig) == {"vocab_size"}
-    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels"}  # bert-mlm's and bert-cls's
+    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels", "label_names"}  # bert-mlm's, bert-cls's
     assert data_fields(pf.TransformerConfig) == {"src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id",
                                                  "source_eos"}
 

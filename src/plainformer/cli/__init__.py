@@ -41,8 +41,8 @@ from ..models.family_model import FamilyModel
 from ..training.distributed import CollectiveTimeout, RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "search", "export", "attention", "prepare",
-                   "average", "serve")
+COMMAND_MODULES = ("train", "eval", "sample", "translate", "classify", "embed", "search", "export", "attention",
+                   "prepare", "average", "serve")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:

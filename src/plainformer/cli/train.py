@@ -63,16 +63,20 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "data": dict(metavar="DATA", help=(
         "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
         "(default: the bundled Shakespeare); translation: PREFIX of PREFIX.SRC and PREFIX.TGT (plain or .gz), "
-        "a two-column .tsv or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}")),
+        "a two-column .tsv or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}; a classifier's: labelled "
+        ".tsv, .csv or .jsonl[.gz]")),
     "val_data": dict(metavar="DATA", help=(
-        "held-out validation data, in any form --data takes (default: the end of --data)")),
+        "held-out validation data, in any form --data takes (default: the end of --data; a classifier's: "
+        "a stratified 10%% of it; translation needs it)")),
     "source_lang": dict(metavar="LANG", help="translation: the source language, as the data names it (de)"),
     "target_lang": dict(metavar="LANG", help="translation: the target language, as the data names it (en)"),
     "batch_tokens": dict(type=positive_int, metavar="INT", help=(
         "batches of sentences of similar length holding at most INT tokens a side, padding included (the "
         "paper's batching), and at most --batch-size sentences")),
-    "text_field": dict(metavar="NAME", help="the text field of JSON Lines records "
-                                                              "(default: text)"),
+    "text_field": dict(metavar="NAME", help="the text field of JSON Lines records or a labelled file's header "
+                                            "(default: text; a classifier's: sentence, else text)"),
+    "text_pair_field": dict(metavar="NAME", help="a labelled file's second text, for sentence pairs (default: none)"),
+    "label_field": dict(metavar="NAME", help="a labelled file's label field (default: label)"),
     "tokenizer": dict(choices=("char", "bpe"), help="char or byte-level bpe"),
     "vocab_size": dict(
         type=positive_int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
@@ -156,7 +160,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="`train` for the fine-tuning recipes, by default the one for --init's family: "
                     "gpt-finetune (a GPT on your --data text) or bert-finetune (a BERT, default MiniLM, "
-                    "classifying which of --plays a line of dialogue comes from). --lora-r R trains a "
+                    "classifying the texts of your labelled --data, else which of --plays a line of dialogue "
+                    "comes from; sst2 is its recipe for SST-2). --lora-r R trains a "
                     "rank-R LoRA adapter, kept in the run with a reference to --init (path and sha256), "
                     "instead of every weight. Ends with one JSON line of metrics.")
     add_train_arguments(finetune, default_preset="bert-finetune", fine_tuning=True)

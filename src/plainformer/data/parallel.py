@@ -41,7 +41,7 @@ from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..files.run_lock import run_lock
 from .lm import cache_key, default_cache_dir, token_dtype
-from .sources import text_lines
+from .sources import json_record, text_lines
 from .tokenizers import SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 MAX_WORDS = 250  # clean-corpus-n's usual upper length in words
@@ -114,13 +114,7 @@ class ParallelSource:
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: the JSON nests too deeply") from None
-            pair = record.get("translation") if isinstance(record, dict) else None
+            pair = json_record(line, where).get("translation")
             if not isinstance(pair, dict):
                 raise ValueError(f"{where}: expected an object {{\"translation\": {{\"{self.source_lang}\": ..., "
                                  f"\"{self.target_lang}\": ...}}}}")
