@@ -12,7 +12,7 @@ from .. import families
 from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
 from ..families.family import refuse_non_model, run_and_checkpoint
-from ..hf.directory import is_hf_directory
+from ..hf.directory import is_hf_directory, read_hf_config
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,
@@ -70,8 +70,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    if is_hf_directory(args.ckpt):  # a Hugging Face language model: evaluated as a GPT, no run recipe
-        run_dir, checkpoint, family = args.ckpt, args.ckpt, "gpt"
+    if is_hf_directory(args.ckpt):  # a Hugging Face model, no run recipe: a language model evaluated as a GPT
+        run_dir, checkpoint = args.ckpt, args.ckpt
+        family = "transformer" if read_hf_config(args.ckpt).get("model_type") == "marian" else "gpt"
     else:
         run_dir, checkpoint = run_and_checkpoint(args.ckpt)
         refuse_non_model(checkpoint)

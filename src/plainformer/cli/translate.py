@@ -9,10 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..families.family import run_and_checkpoint
-from ..families.transformer import check_beam
+from ..families.transformer import check_beam, load_translator
 from ..inference.linear_kernels import measure_kernels
-from ..models.transformer import Transformer
 from . import (
     add_max_memory_argument,
     add_product_arguments,
@@ -33,7 +31,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                     "translations, one per line, and nothing else (metrics: stderr, or --json).")
     parser.add_argument("text", nargs="?", metavar="TEXT", help="a sentence (default: read stdin)")
     parser.add_argument("--ckpt", type=Path, required=True,
-                        help="run directory (its best/, else last/) or a checkpoint directory")
+                        help="run directory (its best/, else last/), a checkpoint directory, or a Marian "
+                             "directory (transformers' MarianMTModel, an opus-mt model)")
     parser.add_argument("--beam", type=positive_int, default=1, help="beam size; 1 = greedy (default: 1)")
     parser.add_argument("--length-penalty", type=non_negative_number, default=0.6, help="α (default: 0.6)")
     add_threads_argument(parser)
@@ -44,7 +43,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def run_translate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
+    model = load_translator(args.ckpt)
     measure_kernels(model)  # decoding's few-row products on the kernel measured fastest here
     lines = [args.text] if args.text is not None else stdin_lines()
     check_beam(model, args.beam, lines, BATCH_SIZE)

@@ -224,10 +224,12 @@ def transformer_config_from_marian(hf: Mapping[str, Any]) -> TransformerConfig:
     if activation not in _FROM_MARIAN_ACTIVATIONS:
         raise ValueError(f"config.json: activation_function={activation!r} is not supported; expected one of "
                          f"{', '.join(_FROM_MARIAN_ACTIVATIONS)}")
-    ids = {key: hf.get(key) for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
-    for key, value in ids.items():
+    ids: dict[str, int] = {}
+    for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = hf.get(key)
         if not _checks.is_int(value):
             raise ValueError(f"config.json: {key} must be one token id, got {value!r}")
+        ids[key] = value
     try:
         return TransformerConfig(
             src_vocab_size=hf["vocab_size"], tgt_vocab_size=hf["vocab_size"], n_layers=hf["encoder_layers"],
