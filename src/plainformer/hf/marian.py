@@ -323,6 +323,11 @@ def _marian_state(model: Transformer, order: Tensor) -> dict[str, Tensor]:
     start = math.sqrt(config.d_model) * state["decoder.embedding.weight"][config.bos_id]  # (d_model,), ours
     decoder_input = "model.shared.weight" if config.share_embeddings else "model.decoder.embed_tokens.weight"
     tensors[decoder_input][-1] = 0.0  # pad, the start: Marian's zero vector
+    if config.share_embeddings and not config.tie_weights:
+        # transformers ties each stack's embed_tokens to model.shared only where it ties lm_head too: both
+        # are written, as copies (safetensors holds no two views of one tensor)
+        for stack in ("encoder", "decoder"):
+            tensors[f"model.{stack}.embed_tokens.weight"] = tensors["model.shared.weight"].clone()
     if start.any():
         table = sinusoidal_table(config.max_len, config.d_model, torch.float64)
         table[0] += start.double()
