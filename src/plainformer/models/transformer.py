@@ -260,7 +260,7 @@ class Transformer(FamilyModel):
         eos = [self.config.eos_id] if self.config.source_eos else []
         encoded = [torch.tensor([*ids, *eos] if ids else [], dtype=torch.long) for ids in tokenizer.encode_many(texts)]
         order = sorted((i for i in range(len(encoded)) if len(encoded[i])), key=lambda i: len(encoded[i]))
-        device = self.output.weight.device
+        device = self.encoder.embedding.weight.device  # the output layer may hold int8 weights (quantize)
         translations = [""] * len(encoded)  # an empty source translates to an empty target
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
