@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import plainformer as pf
+from plainformer import cli
 from plainformer import memory as machine_memory
 from plainformer.checkpoint import format as checkpoint
 from plainformer.checkpoint.format import load_checkpoint
@@ -674,7 +675,8 @@ def test_a_diverging_run_stops_naming_the_step_and_saves_no_best_from_a_nan_loss
 
 
 ROUND_TWO_CONFIGS = {
-    "100000 nested brackets": ("c.json", "[" * 100_000, r"c\.json is not valid JSON: it nests too deeply"),
+    "60000 nested brackets": ("c.json", "[" * 60_000, r"c\.json is not valid JSON: it nests too deeply"),
+    "100000 nested brackets": ("c.json", "[" * 100_000, r"c\.json is larger than a config file of flags may be"),
     "a YAML key given twice": ("c.yaml", "lr: 0.1\nlr: 0.2\n", r"the key 'lr' is given twice"),
     "a JSON key given twice": ("c.json", '{"lr": 0.1, "lr": 0.2}', r"the key 'lr' is given twice"),
     "a key with dashes and underscores": ("c.yaml", "n-layers: 1\nn_layers: 2\n", r"gives n_layers twice"),
@@ -902,6 +904,14 @@ def test_max_memory_lets_a_run_that_the_machine_would_refuse_proceed(capsys, tmp
 def test_a_max_memory_that_is_no_size_is_one_line(value, capsys):
     assert_one_error_line(*run_cli(capsys, "train", f"--max-memory={value}"),
                           rf"argument --max-memory: expected a size such as 64GB or 512MiB, got '{value}'")
+
+
+@pytest.mark.parametrize("verb", ["train", "sample", "eval", "translate", "serve"])
+@pytest.mark.parametrize("value", ["99999999999999999999999TB", "9" * 400, "1.1GB"])
+def test_a_max_memory_past_the_machines_ram_and_swap_is_one_line(verb, value, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "machine_memory", lambda: 10**9)  # a machine of 1 GB with its swap
+    assert_one_error_line(*run_cli(capsys, verb, f"--max-memory={value}"),
+                          rf"argument --max-memory: {value} is more than this machine has: 1\.0 GB of RAM and swap")
 
 
 def test_a_beam_the_memory_cannot_hold_is_refused_naming_the_largest_that_fits(capsys, tmp_path):

@@ -107,6 +107,21 @@ def test_without_meminfo_the_free_pages_are_the_memory_available(monkeypatch):
     assert memory.available_memory() == 2**63  # nothing known: nothing refused
 
 
+def test_the_machines_memory_is_its_ram_and_its_swap(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:    500 kB\nSwapTotal:      24 kB\n")
+    read = memory._meminfo
+    monkeypatch.setattr(memory, "_meminfo", lambda path, key: read(str(meminfo), key))
+    assert memory.machine_memory() == 1024 * 1024
+    meminfo.write_text("MemTotal:       1000 kB\n")
+    assert memory.machine_memory() == 1000 * 1024  # no swap line: no swap
+    monkeypatch.setattr(memory, "_meminfo", lambda path, key: None)
+    monkeypatch.setattr(memory, "_sysconf_bytes", lambda name: 7 * 4096 if name == "SC_PHYS_PAGES" else None)
+    assert memory.machine_memory() == 7 * 4096
+    monkeypatch.setattr(memory, "_sysconf_bytes", lambda name: None)
+    assert memory.machine_memory() is None  # nothing known: no bound
+
+
 def test_the_memory_available_honours_rlimit_as_and_memory_limit(monkeypatch):
     machine = memory.available_memory()
     assert machine > 0

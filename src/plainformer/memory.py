@@ -98,6 +98,13 @@ def _machine_available() -> int:
     return free if free is not None else 2**63  # nothing known: nothing refused
 
 
+def machine_memory() -> int | None:
+    """The machine's RAM and swap (MemTotal + SwapTotal; else its physical pages), None where unknown: what no
+    process here can use more of, so no limit given in place of `available_memory` may pass it."""
+    ram = _meminfo("/proc/meminfo", "MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")
+    return None if ram is None else ram + (_meminfo("/proc/meminfo", "SwapTotal") or 0)
+
+
 def _meminfo(path: str, key: str) -> int | None:
     """A `key:  N kB` line of a /proc file, in bytes; None where there is none."""
     try:

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from plainformer.cli import main
 from plainformer.data import prepared
@@ -38,6 +39,20 @@ def test_prepare_reports_bad_data_in_one_line(capsys, tmp_path):
     assert code == 2
     assert err == [f"plainformer: error: {data} line 1: no field 'text' (fields: 'body'); "
                    "name the text field with --text-field"]
+
+
+@pytest.mark.parametrize("verb", ["prepare", "train"])
+def test_a_record_nested_100000_deep_or_a_device_is_one_line_naming_it(verb, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    extra = ["--out", str(tmp_path / "run")] if verb == "train" else ["--cache-dir", str(tmp_path / "cache")]
+    for data, message in ((deep, f"{deep} line 1: the JSON nests too deeply to read"),
+                          (Path("/dev/zero"), "data /dev/zero is not a regular file")):
+        code = main([verb, "--data", str(data), "--no-progress", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"plainformer: error: {message}"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_prepare_with_val_data_holds_out_that_data(capsys, tmp_path):

@@ -81,9 +81,10 @@ def test_sample_errors_are_one_line(capsys, run, argv, message):
     assert code == 2 and captured.out == "" and message in captured.err and len(captured.err.splitlines()) == 1
 
 
-def test_a_max_memory_of_400_digits_is_a_limit_nothing_exceeds(capsys, run):
-    greedy = ["--prompt", "To", "--temperature", "0"]
-    assert sample(capsys, run, *greedy, "--max-memory=" + "9" * 400) == sample(capsys, run, *greedy)
+def test_a_max_memory_of_400_digits_is_refused_as_more_than_the_machine_has(capsys, run):
+    code = main(["sample", "--ckpt", str(run), "--prompt", "To", "--max-memory=" + "9" * 400])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and "is more than this machine has: " in err[0], err
 
 
 def test_a_prompt_file_without_prompts_is_one_line(capsys, run, tmp_path):

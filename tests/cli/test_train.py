@@ -1,16 +1,18 @@
 """How `plainformer train` resolves a recipe, without training: the preset, the --config file and the
-flags, in that order of priority; every family's recipe survives the round trip through recipe.yaml."""
+flags, in that order of priority; every family's recipe survives the round trip through recipe.yaml. And where
+it trains: never over a run without --resume (the README's first command run twice keeps both runs)."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from plainformer import recipes
-from plainformer.cli import build_parser
+from plainformer.cli import UserError, build_parser, main
 from plainformer.cli import train as train_cli
 from plainformer.cli.train import resolve
 from plainformer.families import resolve as families_resolve
@@ -156,3 +158,71 @@ def test_without_the_processes_age_the_metrics_stay_as_the_trainer_gave_them(mon
     monkeypatch.setattr(train_cli, "process_seconds", lambda: None)
     metrics = {"step": 3, "seconds": {"steps": 5.0}}
     assert train_cli.with_setup_seconds(metrics) == metrics
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+TINY = ["--max-steps", "1", "--batch-size", "2", "--eval-batches", "1", "--n-layers", "1", "--n-heads", "2",
+        "--d-model", "32", "--d-ff", "64", "--block-size", "16", "--no-progress"]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("holds", ["best", "last", "recipe.yaml", "manifest.json"])
+def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_resume_and_out(holds, run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    for name in {"best", "last", "recipe.yaml"} - {"best" if holds == "manifest.json" else holds}:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    if holds == "manifest.json":  # a checkpoint directory given as --out
+        out = out / "best"
+    before = _files(out)
+    assert main(["train", "--out", str(out), *TINY]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        f"plainformer: error: --out {out} holds a run or checkpoint already: continue it with --resume, train a new "
+        f"one with another --out, or remove {out} to start over"]
+    assert _files(out) == before  # best/ (and all else) byte for byte
+
+
+def test_an_out_inside_a_run_is_refused_naming_the_run(run):
+    with pytest.raises(UserError, match=rf"--out {run}/logs is inside the run or checkpoint directory {run}"):
+        _resolve("--out", str(run / "logs"))
+
+
+def test_the_readme_command_run_twice_keeps_the_first_run_and_trains_into_the_next_name(run, tmp_path, capsys,
+                                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    first = Path("runs/default")
+    shutil.copytree(run, first)  # `plainformer train` once
+    (tmp_path / "runs" / "default-2").mkdir()  # a directory holding no run is taken
+    before = _files(first)
+    assert main(["train", *TINY]) == 0 and main(["train", *TINY]) == 0
+    err = capsys.readouterr().err
+    for name in ("default-2", "default-3"):
+        assert (f"plainformer: runs/default holds a run already, kept; this one trains into runs/{name} (--resume "
+                "continues runs/default, --out DIR names the directory)") in err
+        assert (tmp_path / "runs" / name / "best").is_dir()
+    assert _files(first) == before
+    assert main(["sample", "--ckpt", str(first), "--prompt", "To", "--max-new-tokens", "2"]) == 0  # `&& sample`
+    assert _resolve("--resume").out == first  # --resume continues the default, not a new name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sliding-window", "1000", "--block-size", "32"], "sliding_window must be at most block_size=32, the context, "
+                                                         "got 1000 (None: the whole context)"),
+    (["--sliding-window", "1" * 23], f"sliding_window must be at most block_size=128, the context, got {'1' * 23} "
+                                     "(None: the whole context)"),
+    (["--pos-encoding", "alibi", "--rope-base", "500"], "--rope-base is read by --pos-encoding rope only, not by this "
+                                                        "run's --pos-encoding alibi: drop it"),
+])
+def test_values_checked_against_each_other_are_one_line_before_anything_is_written(argv, message, tmp_path, capsys,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "--out", str(tmp_path / "run"), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [f"plainformer: error: {message}"]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

@@ -1,6 +1,8 @@
+import gzip
 import hashlib
 import importlib.resources
 import os
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -588,3 +590,16 @@ def test_progress_shows_bytes_and_rate_on_stderr(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "scanning" in captured.err and "encoding" in captured.err and "B/s" in captured.err
+
+
+def test_a_gzip_file_that_expands_a_hundredfold_is_said_to_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepared, "EXPANSION_NOTE_CHARS", 100_000)
+    bomb, text = tmp_path / "bomb.txt.gz", tmp_path / "text.txt.gz"
+    bomb.write_bytes(gzip.compress((("To be, or not to be.\n" * 20 + "\n\n") * 2_000).encode()))  # 844,000 characters
+    text.write_bytes(gzip.compress(write_corpus(tmp_path / "c.txt", random_documents([50_000] * 10)).read_bytes()))
+    prepare_lm_data(bomb, cache_dir=tmp_path / "cache")
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "fold" in line]
+    assert re.fullmatch(r"plainformer: .*bomb\.txt\.gz expands more than 100-fold \([\d,]+ characters so far from "
+                        r"[\d.]+ kB on disk\): each pass over it reads all of them; Ctrl-C stops", line), line
+    prepare_lm_data(text, cache_dir=tmp_path / "cache")  # text compresses a few fold: nothing said
+    assert "fold" not in capsys.readouterr().err

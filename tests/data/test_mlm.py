@@ -1,4 +1,4 @@
-"""MLM masking statistics and invariants, the MLM batch source, and the play-lines classification task."""
+"""MLM masking statistics and invariants, and the MLM batch source."""
 
 from __future__ import annotations
 
@@ -6,12 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from plainformer.data.classification import (
-    ClassificationBatchSource,
-    LineTask,
-    play_lines_task,
-    spoken_lines,
-)
 from plainformer.data.mlm import MLMBatchSource, encode_stream, mask_tokens
 from plainformer.data.tokenizers import WordPieceTokenizer
 from plainformer.models.bert import IGNORE_INDEX
@@ -25,11 +19,6 @@ PAD, CLS, SEP, MASK = 0, 2, 3, 4
 def tokenizer():
     text = "Now is the winter of our discontent made glorious summer by this sun of York. " * 30
     return WordPieceTokenizer.train([text], vocab_size=120)
-
-
-@pytest.fixture(scope="module")
-def task():
-    return play_lines_task()
 
 
 def _padded_batch(seed: int = 0, batch: int = 800, n: int = 300):
@@ -146,43 +135,3 @@ def test_encode_stream_drops_the_framing(tokenizer):
     split = split_text("the winter of our discontent\n\n\n\nmade glorious summer\n\n\n\nby this sun of York\n")
     stream = encode_stream(split, "val", tokenizer)
     assert stream.tolist() == tokenizer.encode("by this sun of York")[1:-1]
-
-
-# ----------------------------------------------------------------------------- classification
-
-def test_no_line_is_in_two_splits_or_two_classes(task):
-    train, val = {line for line, _ in task.train}, {line for line, _ in task.val}
-    assert not train & val
-    assert len(train) == len(task.train) and len(val) == len(task.val)
-    assert {label for _, label in task.train + task.val} == {0, 1}
-    assert 0.1 < len(task.val) / (len(task.train) + len(task.val)) < 0.3
-
-
-def test_majority_baseline_is_the_share_of_the_largest_class(task):
-    labels = [label for _, label in task.val]
-    assert task.majority_baseline() == max(labels.count(0), labels.count(1)) / len(labels)
-    toy = LineTask(("a", "b"), ((("x", 0)),), (("y", 1), ("z", 1), ("w", 0)))
-    assert toy.majority_baseline("val") == 2 / 3
-
-
-def test_spoken_lines_skip_speakers_headings_and_stage_directions():
-    text = "ACT I.\nSCENE II. A Camp near Forres.\nDUNCAN.\nWhat bloody man is that? He can report,\n" \
-           "[Enter a bleeding Soldier.]\nI'll see it done myself.\nAy."
-    assert spoken_lines(text) == ["What bloody man is that? He can report,", "I'll see it done myself."]
-
-
-def test_validation_batches_cover_each_line_once(task, tokenizer):
-    source = ClassificationBatchSource(task, tokenizer, max_len=32)
-    n = source.num_batches("val", 64)
-    labels = torch.cat([source.get_batch("val", i, 64)["labels"] for i in range(n)])
-    assert labels.tolist() == [label for _, label in task.val]
-    batch = source.get_batch("train", 0, 5)
-    assert batch["input_ids"].shape[0] == 5 and batch["input_ids"].shape[1] <= 32
-    assert torch.equal(batch["input_ids"], source.get_batch("train", 0, 5)["input_ids"])
-
-
-def test_unknown_plays_are_named():
-    with pytest.raises(ValueError, match="Hamlet II"):
-        play_lines_task(["Macbeth", "Hamlet II"])
-    with pytest.raises(ValueError, match="two"):
-        play_lines_task(["Macbeth"])

@@ -3,12 +3,14 @@ for both sides; length-grouped batches deterministic in (seed, split, index) tha
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from plainformer.data.seq2seq import (
     SPLITS,
     TASKS,
+    PairBatches,
     Seq2SeqBatches,
     make_task,
     split_of,
@@ -133,3 +135,50 @@ def test_bad_batch_arguments_raise(copy_data):
         batches.get_batch("train", -1, 4)
     with pytest.raises(ValueError, match="batch_size"):
         batches.get_batch("train", 0, 0)
+
+
+def _random_pairs(n: int, seed: int = 0, longest: int = 40) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    def ids() -> list[int]:
+        return rng.integers(4, 50, rng.integers(1, longest)).tolist()
+
+    return [(ids(), ids()) for _ in range(n)]
+
+
+def test_token_batches_hold_at_most_batch_tokens_a_side_and_batch_size_rows_and_cover_an_epoch():
+    pairs = _random_pairs(500)
+    batches = PairBatches({"train": pairs}, pad_id=0, bos_id=1, eos_id=2, batch_tokens=200, source_eos=True,
+                          pool_batches=4)
+    per_epoch = batches.batches_per_epoch("train", 16)
+    seen = []
+    for index in range(per_epoch):
+        batch = batches.get_batch("train", index, 16)
+        assert batch["src"].numel() <= 200 and batch["tgt_in"].numel() <= 200 and len(batch["src"]) <= 16
+        for src, tgt in zip(batch["src"], batch["tgt_out"], strict=True):
+            source = src[src != 0].tolist()
+            assert source[-1] == 2  # the source ends with eos
+            seen.append((tuple(source[:-1]), tuple(tgt[tgt != 0].tolist()[:-1])))
+    assert sorted(seen) == sorted((tuple(s), tuple(t)) for s, t in pairs)
+    first, next_epoch = batches.get_batch("train", 0, 16)["src"], batches.get_batch("train", per_epoch, 16)["src"]
+    assert first.shape != next_epoch.shape or not torch.equal(first, next_epoch)  # another order
+
+
+def test_pairs_longer_than_max_len_are_left_out_and_counted():
+    pairs = _random_pairs(200, longest=30)
+    batches = PairBatches({"train": pairs}, pad_id=0, bos_id=1, eos_id=2, batch_tokens=300, source_eos=True,
+                          max_len=20)
+    fits = [len(s) + 1 <= 20 and len(t) + 1 <= 20 for s, t in pairs]
+    assert batches.left_out("train") == fits.count(False) > 0
+    widths = [batches.get_batch("train", i, 64)["src"].shape[1] for i in range(batches.batches_per_epoch("train", 64))]
+    assert max(widths) <= 20
+    rows = sum(len(batches.get_batch("train", i, 64)["src"]) for i in range(batches.batches_per_epoch("train", 64)))
+    assert rows == fits.count(True)
+    with pytest.raises(ValueError, match="holds no pair within max_len"):
+        PairBatches({"train": pairs}, pad_id=0, bos_id=1, eos_id=2, max_len=1).get_batch("train", 0, 4)
+
+
+def test_token_batches_are_deterministic_in_seed_split_and_index():
+    pairs = _random_pairs(300)
+    one, two = (PairBatches({"train": pairs}, pad_id=0, bos_id=1, eos_id=2, batch_tokens=256, seed=5) for _ in "ab")
+    for index in (0, 7, 40):  # 40: an epoch later
+        assert torch.equal(one.get_batch("train", index, 32)["src"], two.get_batch("train", index, 32)["src"])

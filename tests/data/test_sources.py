@@ -125,6 +125,13 @@ def test_invalid_json_names_file_and_line(tmp_path):
         documents(open_source(path))
 
 
+def test_a_record_nested_too_deeply_to_read_names_file_and_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"^.*c\.jsonl line 2: the JSON nests too deeply to read$"):
+        documents(open_source(path))
+
+
 def test_a_non_utf8_file_in_a_folder_names_file_and_line(tmp_path):
     (tmp_path / "a.txt").write_text("fine\n")
     (tmp_path / "b.txt").write_bytes("first line\nsecond\ncaf\u00e9\n".encode("latin-1"))
@@ -144,6 +151,15 @@ def test_missing_or_empty_inputs_are_reported(tmp_path):
         documents(open_source(tmp_path / "bad.txt.gz"))
     with pytest.raises(ValueError, match="text_field must be a non-empty string"):
         open_source(tmp_path, text_field="")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_device_or_a_pipe_is_named_as_no_regular_file_not_as_missing(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    for path in (Path("/dev/zero"), tmp_path / "pipe"):
+        if path.exists():
+            with pytest.raises(ValueError, match=rf"^data {path} is not a regular file: give a text file"):
+                open_source(path)
 
 
 def test_fingerprint_follows_size_mtime_and_the_set_of_files(tmp_path):

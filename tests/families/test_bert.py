@@ -118,7 +118,7 @@ def test_pretrain_finetune_and_eval_agree_on_their_metrics(capsys, tmp_path, tex
     assert correct == pytest.approx(round(correct), abs=1e-9)
     assert 0.5 < finetune["majority_baseline"] < 1.0
     code, lines, _ = run_cli(capsys, "eval", "--ckpt", str(tmp_path / "cls" / "last"))
-    assert code == 0 and json.loads(lines[-1])["val_accuracy"] == finetune["val_accuracy"]
+    assert code == 0 and json.loads(lines[-1])["accuracy"] == finetune["val_accuracy"]
 
     code, lines, _ = run_cli(capsys, "embed", "--model", str(tmp_path / "mlm"), "thou art fair")
     assert code == 0 and len(json.loads(lines[0])) == 16

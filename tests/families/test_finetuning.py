@@ -200,7 +200,7 @@ def test_a_bert_classifier_with_lora_trains_the_adapter_and_the_head_only(capsys
     assert {n for n in saved if ".lora_" not in n} == {"classifier.weight", "classifier.bias"}
     assert metrics["trainable_parameters"] == sum(t.numel() for t in saved.values())
     code, stdout, _ = run_cli(capsys, "eval", "--ckpt", str(tmp_path / "cls"))
-    assert code == 0 and last_json(stdout)["val_accuracy"] == metrics["val_accuracy"]
+    assert code == 0 and last_json(stdout)["accuracy"] == metrics["val_accuracy"]
 
 
 def test_a_hugging_face_directory_is_a_base_too(capsys, base, other_text, tmp_path):

@@ -156,7 +156,7 @@ def test_the_default_trains_the_shape_the_probe_picks_and_repeats_it_on_resume_a
 def test_config_file_sets_flags_and_the_command_line_wins(capsys, text_file: Path, tmp_path: Path, suffix):
     values = {"data": str(text_file), "n-layers": 1, "n_heads": 2, "d_model": 32, "d_ff": 64,
               "block_size": 16, "batch_size": 4, "eval_batches": 2, "warmup_steps": 2,
-              "max_steps": 5, "lr": "2e-3", "seed": 11}
+              "max_steps": 5, "lr": 2e-3, "seed": 11}
     config = tmp_path / f"run{suffix}"
     config.write_text(yaml.safe_dump(values) if suffix == ".yaml" else json.dumps(values))
     code, stdout, _ = run_cli(capsys, "train", "--config", str(config), "--out", str(tmp_path / "file"),

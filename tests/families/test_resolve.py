@@ -47,15 +47,17 @@ def _resolve(preset: str, given: dict, out: Path, *, resume: bool = False, saved
 def test_the_trained_families_configs_each_once_with_the_fields_their_data_decides():
     assert model_configs() == (pf.GPTConfig, pf.BertConfig, pf.TransformerConfig)
     assert data_fields(pf.GPTConfig) == {"vocab_size"}
-    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels"}  # bert-mlm's and bert-cls's
-    assert data_fields(pf.TransformerConfig) == {"src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"}
+    assert data_fields(pf.BertConfig) == {"vocab_size", "pad_id", "n_labels", "label_names"}  # bert-mlm's, bert-cls's
+    assert data_fields(pf.TransformerConfig) == {"src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id",
+                                                 "source_eos"}
 
 
 def test_a_model_field_is_owned_by_the_configs_that_have_it_unless_the_data_decides_it():
     owners = model_fields()
     assert owners["d_model"] == [pf.GPTConfig, pf.BertConfig, pf.TransformerConfig]
     assert owners["n_kv_heads"] == [pf.GPTConfig, pf.TransformerConfig]
-    assert owners["block_size"] == [pf.GPTConfig] and owners["attention_dropout"] == [pf.BertConfig]
+    assert owners["block_size"] == [pf.GPTConfig]
+    assert owners["attention_dropout"] == [pf.BertConfig, pf.TransformerConfig]
     assert not {"vocab_size", "n_labels", "src_vocab_size", "pad_id"} & set(owners)
 
 
@@ -98,7 +100,7 @@ def test_a_fine_tuning_run_leaves_the_model_to_init_with_the_fields_given(tmp_pa
 
 @pytest.mark.parametrize("preset, given, message", [
     ("nanogpt-cpu", {"task": "copy"}, r"^--task applies to transformer recipes, not to 'nanogpt-cpu' \(gpt\)$"),
-    ("seq2seq-copy", {"data": "x.txt"}, r"^--data applies to gpt, bert-mlm recipes, not to 'seq2seq-copy'"),
+    ("seq2seq-copy", {"tokenizer": "char"}, r"^--tokenizer applies to gpt recipes, not to 'seq2seq-copy'"),
     ("nanogpt-cpu", {"lora_r": 4}, r"^--lora-r applies to the fine-tuning recipes \(gpt-finetune, bert-finetune\), "
                                    r"not to 'nanogpt-cpu', which trains from scratch$"),
     ("nanogpt-cpu", {"n_encoder_layers": 2}, r"^--n-encoder-layers is not a field of GPTConfig, the model of "
@@ -114,6 +116,16 @@ def test_a_value_that_does_not_apply_to_the_recipe_is_refused_saying_where_it_ap
                                                                                       tmp_path):
     with pytest.raises(UserError, match=message):
         _resolve(preset, given, tmp_path)
+
+
+@pytest.mark.parametrize("encoding", ["alibi", "learned", "sinusoidal"])
+def test_a_rope_base_given_with_an_encoding_that_never_reads_it_is_refused_by_name(encoding, tmp_path):
+    with pytest.raises(UserError, match=rf"^--rope-base is read by --pos-encoding rope only, not by this run's "
+                                        rf"--pos-encoding {encoding}: drop it$"):
+        _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 500.0}, tmp_path)
+    assert _resolve("nanogpt-cpu", {"pos_encoding": encoding}, tmp_path).model.pos_encoding == encoding
+    assert _resolve("nanogpt-cpu", {"pos_encoding": encoding, "rope_base": 10000.0}, tmp_path)  # a recipe.yaml's
+    assert _resolve("nanogpt-cpu", {"pos_encoding": "rope", "rope_base": 500.0}, tmp_path).model.rope_base == 500.0
 
 
 def test_a_data_option_given_as_blank_text_is_refused_naming_the_flag():

@@ -114,6 +114,44 @@ def test_a_beam_keeping_every_hypothesis_finds_the_best_penalised_sequence(alpha
     assert abs(score.item() - best_score) <= 1e-5
 
 
+def test_a_sentence_whose_beams_all_ended_leaves_the_batch_and_keeps_its_result():
+    model = _transformer()
+    with torch.no_grad():
+        model.output.weight[EOS] *= 1.5  # the second sentence's beams all end by step 3, the others run to 12
+    sources = _sources()
+    bound = model.bind(sources)
+    rows_seen = []
+
+    def counting(idx, **kwargs):
+        rows_seen.append(idx.shape[0])
+        return bound(idx, **kwargs)
+
+    with torch.no_grad():
+        batched, scores = beam_search(_Calls(bound, counting), _bos(3), 12, beam_size=3, eos_id=EOS)
+        for i in range(3):
+            alone, score = beam_search(model.bind(sources[i:i + 1]), _bos(1), 12, beam_size=3, eos_id=EOS)
+            ended = alone.shape[1]
+            assert torch.equal(batched[i, :ended], alone[0]) and (batched[i, ended:] == EOS).all()
+            assert abs(scores[i].item() - score.item()) <= SCORE_TOLERANCE
+    assert rows_seen[:3] == [9, 9, 9] and set(rows_seen[3:]) == {6}  # 3 sentences x 3 beams, then 2 x 3
+
+
+class _Calls:
+    """A bound decoder whose calls go through `call` (to watch the rows each step decodes)."""
+
+    def __init__(self, bound, call):
+        self.bound, self.call, self.block_size = bound, call, bound.block_size
+
+    def __call__(self, idx, **kwargs):
+        return self.call(idx, **kwargs)
+
+    def new_kv_caches(self, batch_size):
+        return self.bound.new_kv_caches(batch_size)
+
+    def keep_sources(self, indices):
+        self.bound.keep_sources(indices)
+
+
 def test_length_penalty_is_gnmt_lp():
     lengths = torch.tensor([1.0, 4.0, 10.0])
     expected = torch.tensor([1.0, 1.5 ** 0.6, 2.5 ** 0.6])

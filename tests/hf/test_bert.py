@@ -179,3 +179,53 @@ def test_a_directory_without_weights_or_config_is_a_clear_error(tmp_path):
         load_hf_bert(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model directory"):
         load_hf_bert(tmp_path / "absent")
+
+
+# ----------------------------------------------------------------------------- sequence classifiers
+
+def _hf_classifier(directory, id2label=None, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=24, max_position_embeddings=16, num_labels=3,
+                                     **({} if id2label is None else {"id2label": id2label}))
+    transformers.BertForSequenceClassification(config).save_pretrained(directory)
+    return transformers.BertForSequenceClassification.from_pretrained(directory).eval()
+
+
+def _inputs():
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    return ids, torch.tensor([[1] * 7, [1] * 4 + [0] * 3]), torch.tensor([[0] * 3 + [1] * 4, [0] * 7])
+
+
+def test_a_classifier_goes_both_ways_with_transformers_keeping_its_classes(tmp_path):
+    theirs = _hf_classifier(tmp_path / "hf", {0: "neg", 1: "neu", 2: "pos"})
+    ours = interop.load_hf_bert_classifier(tmp_path / "hf")
+    assert ours.config.label_names == ("neg", "neu", "pos") and not ours.training
+    ids, mask, types = _inputs()
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        assert_close(ours(ids, mask, types)[0], expected, "logits")
+    save_hf_bert(ours, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert config["id2label"] == {"0": "neg", "1": "neu", "2": "pos"} and config["label2id"]["pos"] == 2
+    again = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert_close(again(input_ids=ids, attention_mask=mask, token_type_ids=types).logits, expected, "logits")
+
+
+def test_a_classifier_without_class_names_has_hugging_faces_names(tmp_path):
+    _hf_classifier(tmp_path / "hf")
+    assert interop.load_hf_bert_classifier(tmp_path / "hf").config.class_names() == ("LABEL_0", "LABEL_1", "LABEL_2")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"id2label": {"0": "a", "2": "b"}}, "id2label must map every class id 0 .. n-1"),
+    ({"id2label": {"0": "a", "1": "a"}}, "label_names must name each class once"),
+])
+def test_a_classifier_config_with_bad_classes_is_refused(tmp_path, edit, message):
+    _hf_classifier(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        interop.load_hf_bert_classifier(tmp_path / "hf")

@@ -216,3 +216,28 @@ def test_a_bert_matches_peft_with_copied_adapters(tmp_path):
         assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
         pf.merge_lora(ours)
         assert (ours(ids).last_hidden_state - reference).abs().max() <= TOLERANCE
+
+
+def test_a_bert_classifiers_adapter_is_peft_seq_cls_with_its_head_both_ways(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "base")
+    ours = pf.add_lora(pf.load_hf(tmp_path / "base"), r=2, alpha=4.0, targets=("W_q", "W_v"),
+                       trainable=("classifier",)).eval()
+    _randomize_b(ours)
+    with torch.no_grad():
+        ours.classifier.weight.normal_(generator=torch.Generator().manual_seed(5))  # a head trained away
+    save_lora(ours, tmp_path / "ours")
+    saved = json.loads((tmp_path / "ours" / ADAPTER_CONFIG).read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["classifier"]
+    base = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "base").eval()
+    theirs = _peft().PeftModel.from_pretrained(base, tmp_path / "ours").eval()
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(2))  # 0 is [PAD], masked by ours
+    with torch.no_grad():
+        reference = theirs(input_ids=ids).logits
+        assert (ours(ids)[0] - reference).abs().max() <= TOLERANCE
+    theirs.save_pretrained(tmp_path / "theirs")
+    again = load_lora(pf.load_hf(tmp_path / "base"), tmp_path / "theirs").eval()
+    with torch.no_grad():
+        assert (again(ids)[0] - reference).abs().max() <= TOLERANCE

@@ -3,8 +3,11 @@ variants of issue 49 against a float64 forward written from their equations, the
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import math
+import textwrap
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from plainformer.families import memory_estimates
 from plainformer.generation.decoding import iter_generate
 from plainformer.hf.gpt import state_from_hf
 from plainformer.inference.linear_kernels import measure_kernels
+from plainformer.models.gpt import VariantBlock, VariantGPT
+from plainformer.nn.attention import VariantAttention
 from tests.reference import llama_family
 from tests.reference.tiny_models import GPT_VARIANTS_49, moved_off_start
 from tests.reference.torch_reference import assert_close
@@ -235,6 +240,14 @@ def test_config_rejects_odd_dimensions_for_rope_and_sinusoidal_positions():
         pf.GPTConfig(**{**TINY, "d_model": 33, "n_heads": 3}, pos_encoding="sinusoidal")
 
 
+@pytest.mark.parametrize("window", [TINY["block_size"] + 1, 10**22])
+def test_a_sliding_window_past_the_context_is_refused_and_the_context_itself_taken(window):
+    with pytest.raises(ValueError, match=rf"sliding_window must be at most block_size={TINY['block_size']}, the "
+                                         rf"context, got {window}"):
+        pf.GPTConfig(**TINY, sliding_window=window)
+    assert pf.GPTConfig(**TINY, sliding_window=TINY["block_size"]).sliding_window == TINY["block_size"]
+
+
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_norm_eps_reaches_every_norm(norm):
     model = _gpt(norm=norm, norm_eps=1e-3)
@@ -337,6 +350,113 @@ def test_the_encoder_layer_names_still_import():
     assert pf.EncoderLayer is EncoderLayer is pf.nn.EncoderLayer
     assert pf.DecoderLayer is DecoderLayer is pf.nn.DecoderLayer
     assert pf.Block is pf.models.gpt.Block
+
+
+# ----------------------------------------------------------------------------- the default path holds no variant
+
+# Each variant of GPTConfig.variants on alone (zero_init needs an untied head).
+ONE_VARIANT = {"qk_norm": dict(qk_norm=True), "attn_softcap": dict(attn_softcap=30.0),
+               "sliding_window": dict(sliding_window=8), "logit_softcap": dict(logit_softcap=30.0),
+               "zero_init": dict(zero_init=True, tie_weights=False), "embed_norm": dict(embed_norm=True),
+               "x0_mix": dict(x0_mix=True), "value_residual": dict(value_residual=True),
+               "token_shift": dict(token_shift=True), "bigram_embedding": dict(bigram_embedding=True),
+               "alibi": dict(pos_encoding="alibi")}
+# What a variant is read by: its config fields, the attributes of the modules that carry one, the arguments only
+# a variant takes.
+VARIANT_NAMES = {*ONE_VARIANT, "alibi_slopes", "window", "softcap", "q_norm", "k_norm", "x0_mix", "value_residual",
+                 "token_shift", "bigram", "embed_norm", "shares_values", "x0", "v1", "values", "first_values",
+                 "value_mix"}
+
+
+def _source_tree(function) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def _path(cls: type, method: str) -> dict[str, object]:
+    """cls.method and every method of cls that it calls on self, and they on theirs: the path a call takes."""
+    found: dict[str, object] = {}
+    todo = [method]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found[name] = getattr(cls, name)
+        todo += [node.func.attr for node in ast.walk(_source_tree(found[name]))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                 and inspect.isfunction(getattr(cls, node.func.attr, None))]
+    return found
+
+
+def _variants_read(function) -> set[str]:
+    """The variant names `function` reads: attributes of self or of a config, arguments it takes or passes, and
+    strings (a getattr). An argument's own attributes (kv_cache.window, a cache's property) are no flag."""
+    read = set()
+    for node in ast.walk(_source_tree(function)):
+        if isinstance(node, ast.Attribute) and _is_self_or_config(node.value):
+            read.add(node.attr)
+        elif isinstance(node, ast.arg):
+            read.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            read.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            read.add(node.value)
+    return read & VARIANT_NAMES
+
+
+def _is_self_or_config(node: ast.AST) -> bool:
+    if isinstance(node, ast.Attribute):  # self.config, self.self_attn
+        return _is_self_or_config(node.value)
+    return isinstance(node, ast.Name) and node.id in ("self", "c", "config")
+
+
+def test_variant_names_are_every_variant_of_the_config():
+    assert set(ONE_VARIANT) == {*pf.models.gpt.VARIANTS, "alibi"}
+    for name, fields in ONE_VARIANT.items():
+        assert pf.GPTConfig(**TINY, **fields).variants == (name,)
+
+
+@pytest.mark.parametrize("cls, method", [
+    (pf.GPT, "forward"), (pf.Block, "forward"), (pf.MultiHeadAttention, "forward")])
+def test_the_default_gpt_block_and_attention_read_no_variant_flag_on_their_forward_path(cls, method):
+    path = _path(cls, method)
+    assert {name: _variants_read(function) for name, function in path.items() if _variants_read(function)} == {}
+    assert len(path) > 1  # the path was followed: forward and what it calls
+
+
+def test_the_check_finds_the_variants_where_they_are_read():
+    for cls in (VariantGPT, VariantBlock, VariantAttention):
+        assert set().union(*map(_variants_read, _path(cls, "forward").values())), cls.__name__
+
+
+def test_the_default_builds_the_papers_classes_and_any_variant_the_variant_classes():
+    for config in (pf.GPTConfig(**TINY), pf.GPTConfig.from_preset("default"), pf.GPTConfig.from_preset("moe")):
+        model = pf.GPT(config)
+        assert type(model) is pf.GPT and config.variants == ()
+        assert {(type(b), type(b.self_attn)) for b in model.blocks} == {(pf.Block, pf.MultiHeadAttention)}
+    for fields in ONE_VARIANT.values():
+        model = pf.GPT(pf.GPTConfig(**TINY, **fields))
+        assert type(model) is VariantGPT
+        assert {(type(b), type(b.self_attn)) for b in model.blocks} == {(VariantBlock, VariantAttention)}
+
+
+def test_the_first_variant_block_hands_its_values_on_and_a_later_one_mixes_its_own_with_them():
+    """v_1 = LN_1(x) W^V of the first block; a later block attends λ · LN_1(x) W^V + (1 − λ) · v_1, and hands
+    v_1 on unchanged."""
+    model = moved_off_start(_gpt(value_residual=True)).double()
+    first, second = model.blocks
+    x = torch.randn(2, 6, TINY["d_model"], dtype=torch.float64)
+    with torch.no_grad():
+        out, v1 = first(x)
+        assert torch.equal(v1, first.self_attn.project_v(first.norm1(x)))
+        assert torch.equal(out, pf.Block.forward(first, x))  # the first block reads its own values
+        out, handed = second(x, v1=v1)
+        assert handed is v1
+        h = second.norm1(x)
+        lam = second.value_residual.lam
+        values = lam * second.self_attn.project_v(h) + (1 - lam) * v1
+        x = x + second.self_attn(h, h, h, second.own_mask(x), values=values)
+        assert_close(out, x + second.ff(second.norm2(x)), "a later block")
 
 
 # ----------------------------------------------------------------------------- KV-cached decoding

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import plainformer as pf
-from plainformer.nn.attention import resolve_backend
+from plainformer.nn.attention import VariantAttention, resolve_backend
 from tests.reference.torch_reference import (
     assert_close,
     attention_parameter_grads,
@@ -380,6 +382,23 @@ def test_static_cache_reuses_the_projected_memory_for_cross_attention():
 
 
 # ----------------------------------------------------------------------------- attention variants
+@pytest.mark.parametrize("variant", [dict(qk_norm=True), dict(norm_eps=1e-3), dict(softcap=30.0), dict(alibi=True),
+                                     dict(window=4)])
+def test_a_variant_keyword_builds_a_variant_attention_and_none_the_papers(variant):
+    plain, varied = pf.MultiHeadAttention(16, 4, n_kv_heads=2), pf.MultiHeadAttention(16, 4, n_kv_heads=2, **variant)
+    assert type(plain) is pf.MultiHeadAttention and type(varied) is VariantAttention
+    assert type(copy.deepcopy(varied)) is VariantAttention and type(copy.deepcopy(plain)) is pf.MultiHeadAttention
+    assert list(varied.state_dict())[:8] == list(plain.state_dict())  # W_q, W_k, W_v, W_o: the same names
+
+
+def test_a_plain_attention_refuses_a_cache_that_keeps_a_window():
+    mha = pf.MultiHeadAttention(16, 4)
+    x = torch.randn(B, 3, 16)
+    with pytest.raises(ValueError, match="kv_cache keeps a window of 2 positions but this attention sees every "
+                                         "position: build the cache without a window"):
+        mha(x, x, x, is_causal=True, kv_cache=pf.KVCache(B, 4, max_len=9, head_dim=4, window=2))
+
+
 
 def _rms_normed(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import plainformer as pf
-from plainformer.nn.masks import AttentionMask, check_masks
+from plainformer.nn.masks import AttentionMask, check_masks, padded_positions_and_mask
 from tests.reference.torch_reference import assert_close
 
 B, H = 2, 3
@@ -65,6 +65,26 @@ def test_cached_positions_shift_the_causal_diagonal_by_an_offset():
     mask = AttentionMask.build(2, 5, is_causal=True, cached=3)
     assert mask.is_causal and mask.offset == 3 and mask.attn_mask is None and not mask.only_causal
     assert torch.equal(mask.dense, pf.causal_mask(2, 5, offset=3))
+
+
+@pytest.mark.parametrize("n, m", [(4, 4), (2, 5), (1, 6)])
+def test_a_decoders_causal_mask_puts_its_queries_at_the_last_positions_as_build_does(n, m):
+    mask, built = AttentionMask.causal(n, m), AttentionMask.build(n, m, is_causal=True, cached=m - n)
+    dense = torch.ones(n, m, dtype=torch.bool) if mask.dense is None else mask.dense
+    assert torch.equal(dense.expand(B, H, n, m), _by_hand(n, m, m - n, True, None, None))
+    assert (mask.is_causal, mask.offset, mask.only_causal) == (built.is_causal, built.offset, built.only_causal)
+    assert (mask.dense is None and built.dense is None) or torch.equal(mask.dense, built.dense)
+
+
+@pytest.mark.parametrize("cached", [0, 2])
+def test_padded_rows_count_their_real_tokens_and_see_no_padding_key_but_their_own(cached):
+    real = torch.tensor([[True] * 6, [False, False, True, True, False, True]])
+    positions, mask = padded_positions_and_mask(real, cached)
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5][cached:], [0, 0, 0, 1, 1, 2][cached:]]
+    n = 6 - cached
+    expected = torch.tensor([[[(j <= cached + i and bool(real[b, j])) or j == cached + i for j in range(6)]
+                              for i in range(n)] for b in range(2)])
+    assert torch.equal(mask.dense, expected[:, None])  # (B, 1, n, m)
 
 
 def test_an_additive_mask_stays_additive_and_takes_the_scores_dtype():

@@ -1,12 +1,13 @@
 """The learned shortcuts of nn/shortcuts.py against their equations in float64: the value residual
 v ← λ v + (1 − λ) v_1 and the embedding shortcut x ← a x + b x0, their starting values, float64 gradcheck
-of the learned scalars, and the dtype a scalar leaves. A whole GPT with them is in tests/models/test_gpt.py."""
+of the learned scalars, and the dtype a scalar leaves. The blocks that hand the first layer's values on, and a
+whole GPT with them, are in tests/models/test_gpt.py."""
 
 from __future__ import annotations
 
 import torch
 
-from plainformer.nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
+from plainformer.nn.shortcuts import EmbeddingShortcut, ValueResidual
 from tests.reference.torch_reference import assert_close
 
 
@@ -21,15 +22,6 @@ def test_value_residual_is_the_lambda_weighted_mean_of_a_layers_values_and_the_f
         residual.lam.fill_(0.3)
     v, v1 = _randn(2, 2, 5, 4, seed=0), _randn(2, 2, 5, 4, seed=1)
     assert_close(residual(v, v1), 0.3 * v + 0.7 * v1)
-
-
-def test_the_first_layer_keeps_its_values_and_each_later_layer_mixes_its_own_with_them():
-    first = FirstLayerValues()
-    residuals = [ValueResidual(init).double() for init in (0.25, 0.75)]
-    v1, v2, v3 = (_randn(1, 2, 3, 4, seed=s) for s in range(3))
-    assert first.value_mix(None)(v1) is v1
-    assert_close(first.value_mix(residuals[0])(v2), 0.25 * v2 + 0.75 * v1)
-    assert_close(first.value_mix(residuals[1])(v3), 0.75 * v3 + 0.25 * v1)
 
 
 def test_embedding_shortcut_starts_as_the_identity_and_computes_a_x_plus_b_x0():

@@ -23,3 +23,24 @@ def moved_off_start(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             noise = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)
             parameter.add_(noise * (0.3 if parameter.ndim <= 1 else 0.05))
     return model
+
+
+def tiny_hf_bert(directory, *, id2label: dict[int, str] | None = None, seed: int = 0):
+    """A random BERT of 1 layer, 16 wide, written by transformers into `directory` with MiniLM's tokenizer files
+    (the vocabulary of 30,522 wordpieces): a BertModel, or with `id2label` a BertForSequenceClassification."""
+    import shutil
+
+    import transformers
+
+    from plainformer.hf.bert import minilm_path
+
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=64,
+                                     **({} if id2label is None else {"id2label": id2label}))
+    model = (transformers.BertModel(config) if id2label is None
+             else transformers.BertForSequenceClassification(config))
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_path() / name, directory / name)
+    return directory

@@ -1,7 +1,8 @@
 """`/v1/embeddings` of `plainformer serve`, driven by the official `openai` client: MiniLM's embeddings equal
 what `plainformer embed` writes (floats and base64 alike, a text past max_len truncated as embed does it), a
 GPT given --pooling embeds with the mean or the last of its final hidden states, a model that only embeds
-answers the completion endpoints 400 naming `model`, and bad inputs are 400s naming `input`."""
+answers the completion endpoints 400 naming `model`, bad inputs are 400s naming `input`, and a shortened embedding
+(`dimensions`) is a unit vector again, as OpenAI's are."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from plainformer.cli import main
 from plainformer.families.family import checkpoint_dir
 from plainformer.families.gpt import load_language_model
+from plainformer.serve.embeddings import shortened
 
 from .conftest import Server
 
@@ -66,8 +68,24 @@ def test_token_ids_embed_as_the_text_they_tokenize_to(minilm, embedded):
     assert ids["tokens"][0] == 101 and ids["tokens"][-1] == 102  # [CLS] .. [SEP]
     answer = client_of(minilm).embeddings.create(model="minilm", input=[ids["tokens"]], encoding_format="float")
     np.testing.assert_allclose(np.array(answer.data[0].embedding), embedded[1], atol=TOLERANCE, rtol=0)
-    short = client_of(minilm).embeddings.create(model="minilm", input="a", dimensions=8, encoding_format="float")
-    assert len(short.data[0].embedding) == 8
+
+
+@pytest.mark.parametrize("dimensions", [1, 8, 383])
+def test_a_shortened_embedding_is_its_first_components_made_unit_length_again(minilm, embedded, dimensions):
+    short = client_of(minilm).embeddings.create(model="minilm", input=TEXTS, dimensions=dimensions,
+                                                encoding_format="float")
+    got = np.array([d.embedding for d in short.data], dtype=np.float64)
+    assert got.shape == (len(TEXTS), dimensions)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6, rtol=0)  # OpenAI's, issue 57
+    head = embedded[:, :dimensions].astype(np.float64)
+    np.testing.assert_allclose(got, head / np.linalg.norm(head, axis=1, keepdims=True), atol=TOLERANCE, rtol=0)
+
+
+def test_shortened_divides_the_first_components_by_their_own_norm():
+    vectors = F.normalize(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), dim=1)
+    head = vectors[:, :5].double()
+    expected = head / head.pow(2).sum(dim=1, keepdim=True).sqrt()
+    torch.testing.assert_close(shortened(vectors, 5).double(), expected, atol=1e-7, rtol=0)
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -282,3 +283,19 @@ def test_a_bad_prefix_cache_size_is_refused_in_one_line(run, value):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plainformer: error: argument --prefix-cache-mb:"), lines
     assert "finite number >= 0" in lines[0]
+
+
+@pytest.mark.parametrize("value, limit, message", [
+    ("1e30", None, r"--prefix-cache-mb 1e\+30 is more than the [\d.]+ [kMGT]B available once the model is loaded: at "
+                   r"most \d+ \(--max-memory SIZE to allow more\)$"),
+    ("1" * 26, None, r"--prefix-cache-mb 1\.11111e\+25 is more than the [\d.]+ [kMGT]B available"),
+    ("2000", "1GB", r"--prefix-cache-mb 2000 is more than the 1\.0 GB allowed once the model is loaded: at most 1000$"),
+])
+def test_a_prefix_cache_larger_than_the_memory_is_refused_in_one_line(run, value, limit, message):
+    limited = [] if limit is None else [f"--max-memory={limit}"]
+    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
+                             f"--prefix-cache-mb={value}", *limited], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match("plainformer: error: " + message, lines[0]), lines

@@ -31,7 +31,7 @@ from plainformer.checkpoint.format import load_checkpoint
 from plainformer.data.lm import LMBatchSource
 from plainformer.models.gpt import GPT, GPTConfig
 from plainformer.nn.moe import MoEFeedForward
-from plainformer.training import precision
+from plainformer.training import distributed, precision
 from plainformer.training.config import TrainConfig
 from plainformer.training.distributed import (
     Distributed,
@@ -293,7 +293,11 @@ def _failing_worker(rank: int, port: int, root: str, fault: str) -> None:
     source = _source()
     source.__class__ = _FailingSource
     source.fault = fault
-    Trainer(_tiny_gpt(), source, _config(max_steps=100), root, progress=False).fit()
+    try:
+        Trainer(_tiny_gpt(), source, _config(max_steps=100), root, progress=False).fit()
+    except BaseException as error:
+        Path(root, f"error{rank}").write_text(f"{type(error).__name__}: {error}")
+        raise
 
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
@@ -313,6 +317,27 @@ def test_a_failed_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path
     assert ranks[0].exitcode not in (0, None)
     if fault == "dies":
         assert ranks[1].exitcode == 7
+    assert (tmp_path / "error0").read_text() == {  # one line each, which the command prints as it is
+        "dies": "RankLost: rank 1 of the 2 stopped (its process has ended), so rank 0 stopped too",
+        "hangs": "CollectiveTimeout: rank 0 of the 2 waited 10 s for the others in a collective and stopped (one is "
+                 "stuck, or far slower); PLAINFORMER_DIST_TIMEOUT=SECONDS waits longer"}[fault]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's state in /proc")
+def test_a_peer_that_closed_the_connection_is_waited_for_through_its_teardown(monkeypatch):
+    """A rank that failed closes its sockets when it leaves the process group, then tears the interpreter down for
+    seconds: a survivor told by gloo that the peer closed the connection waits for it to end, and names it lost."""
+    monkeypatch.setattr(distributed, "LOST_RANK_PATIENCE_S", 0.2)
+    here, sigterm = distributed._this_process()[0], signal.getsignal(signal.SIGTERM)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])  # a teardown of 1.5 s
+    try:
+        processes = [(here, os.getpid()), (here, peer.pid)]
+        assert distributed._lost_ranks(processes, 0, RuntimeError("[pair.cc:553] Connection reset")) == []
+        closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:28576")
+        assert distributed._lost_ranks(processes, 0, closed) == [1]
+    finally:
+        peer.wait()
+        signal.signal(signal.SIGTERM, sigterm)  # _lost_ranks ignores SIGTERM once a rank is lost
 
 
 # ----------------------------------------------------------------------------- the launch

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plainformer as pf
+from plainformer.checkpoint.average import kept_checkpoints
 from plainformer.checkpoint.format import CheckpointError, load_checkpoint
 from plainformer.config import Config
 from plainformer.files.run_lock import RunDirectoryBusy
@@ -354,6 +355,15 @@ def test_a_resumed_run_keeps_the_selections_best_value(tmp_path):
     assert metrics["best_val_m"] == 5.0 and load_checkpoint(tmp_path / "best").trainer_state["step"] == 10
 
 
+def test_keep_checkpoints_keeps_the_weights_of_the_last_saves(tmp_path):
+    trainer, _ = train(tmp_path, max_steps=9, save_interval=2, keep_checkpoints=3)
+    kept = kept_checkpoints(tmp_path)
+    assert [p.name for p in kept] == ["step-0000006", "step-0000008", "step-0000009"]  # 9: the save at the end
+    last = load_checkpoint(tmp_path / "last")
+    assert torch.equal(load_checkpoint(kept[-1]).state_dict["emb.weight"], last.state_dict["emb.weight"])
+    assert not load_checkpoint(kept[0]).has_optimizer_state
+
+
 def test_flash_attention_with_dropout_is_refused_before_training_starts(tmp_path):
     config = pf.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layers=1, n_heads=2, d_model=8, d_ff=16,
                           backend="flash", dropout=0.1)
@@ -609,3 +619,32 @@ def test_a_compiled_run_says_once_what_its_first_step_cost(tmp_path, monkeypatch
     train(tmp_path, max_steps=3, compile=compiled)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compile: the first step took")]
     assert len(lines) == (1 if compiled else 0)
+
+
+# ----------------------------------------------------------------------------- best/ by a selection's score
+
+def test_a_selections_loss_is_the_runs_and_replaces_the_trainers_pass(tmp_path):
+    model = fresh_model()
+    evaluated = []
+    model.register_forward_hook(lambda module, args, out: evaluated.append(not module.training))
+    trainer = Trainer(model, CountingTokens(), small_config(max_steps=20, eval_interval=10), tmp_path,
+                      progress=False, selection=Selection(lambda m: {"loss": 1.5, "score": 0.5}, "score"))
+    metrics = trainer.fit()
+    assert metrics["val_loss"] == metrics["best_val_loss"] == 1.5 and not any(evaluated)
+    assert read_metrics(tmp_path, "val_loss") == [(10, 1.5), (20, 1.5)]
+
+
+def test_fit_to_time_keeps_the_evaluation_it_times_for_a_selection(tmp_path):
+    scores = iter([0.9, 0.1])
+    fitted = small_config(max_steps=40, max_time=60.0, fit_to_time=True, warmup_steps=10, eval_interval=0)
+    trainer = Trainer(fresh_model(), CountingTokens(), fitted, tmp_path, progress=False,
+                      selection=Selection(lambda m: {"score": next(scores)}, "score"))
+    metrics = trainer.fit()
+    assert read_metrics(tmp_path, "val_score") == [(11, 0.9), (metrics["step"], 0.1)]
+    assert load_checkpoint(tmp_path / "best").trainer_state["step"] == 11
+
+
+def test_a_nan_score_never_improves_on_nothing_or_on_a_number():
+    selection = Selection(lambda m: {}, "score")
+    assert not selection.improves(math.nan, None) and not selection.improves(math.nan, 0.5)
+    assert selection.improves(0.1, None) and not Selection(lambda m: {}, "s", higher_is_better=False).improves(2, 1)

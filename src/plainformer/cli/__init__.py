@@ -36,12 +36,13 @@ from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
 from ..launch import is_main_process, launch_from_env
 from ..log import log
-from ..memory import MemoryBudgetError, keep_freed_memory, memory_limit, parse_size
+from ..memory import MemoryBudgetError, format_size, keep_freed_memory, machine_memory, memory_limit, parse_size
 from ..models.family_model import FamilyModel
-from ..training.distributed import RankLost, run_torchrun
+from ..training.distributed import CollectiveTimeout, RankLost, run_torchrun
 from ..training.trainer import TrainingInterrupted
 
-COMMAND_MODULES = ("train", "eval", "sample", "translate", "embed", "search", "export", "attention", "prepare", "serve")
+COMMAND_MODULES = ("train", "eval", "sample", "translate", "classify", "embed", "search", "export", "attention",
+                   "prepare", "average", "serve")
 
 
 def emit_metrics(metrics: dict[str, Any], stream: typing.TextIO | None = None) -> None:
@@ -111,6 +112,9 @@ probability = _checked(float, "a number in [0, 1)", _checks.is_probability)
 fraction = _checked(float, "a number in (0, 1)", _checks.is_fraction)
 mass = _checked(float, "a probability in (0, 1]", _checks.is_mass)
 memory_size = _checked(parse_size, "a size such as 64GB or 512MiB", _checks.is_positive_int)
+#: The types above that parse a number: a config file gives it as a number, never as a string.
+NUMBER_TYPES = frozenset({positive_int, non_negative_int, seed_int, non_negative_number, positive_number, probability,
+                          fraction, mass})
 
 
 #: The argument type of a config field declared with each of `_checks`' checks: the flag refuses, as
@@ -129,10 +133,21 @@ def ranged_field_type(config_cls: type[Config], name: str) -> Callable[[str], An
 def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:
     """--max-memory SIZE: the bytes the command may use, in place of the machine's available memory
     (families/memory_estimates.py), which every size is checked against before memory is spent."""
-    parser.add_argument("--max-memory", type=memory_size, metavar="SIZE", help=(
+    parser.add_argument("--max-memory", type=_max_memory, metavar="SIZE", help=(
         "the memory this command may use, e.g. 64GB or 512MiB, in place of what the machine has available "
-        "(RAM, and RLIMIT_AS when set): a model, a batch or a beam whose estimate exceeds it is refused "
-        "before memory is spent"))
+        "(RAM, and RLIMIT_AS when set), at most its RAM and swap: a model, a batch or a beam whose estimate "
+        "exceeds it is refused before memory is spent"))
+
+
+def _max_memory(text: str) -> int:
+    """A size no larger than the machine's RAM and swap: a limit past them would let through what no process here
+    can hold (and 10**23 TB switched the check off)."""
+    size = memory_size(text)
+    machine = machine_memory()
+    if machine is not None and size > machine:
+        raise argparse.ArgumentTypeError(f"{text} is more than this machine has: {format_size(machine)} of RAM and "
+                                         "swap")
+    return size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -261,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_user_error(error):
             raise
         line = f"plainformer: error: {error}{_memory_hint(args, error)}"
-        if isinstance(error, RankLost) and error.reporting:  # rank 0 may be the rank lost
+        if isinstance(error, (RankLost, CollectiveTimeout)) and error.reporting:  # rank 0 may be the rank lost
             print(line, file=sys.stderr, flush=True)
         else:
             log(line)

@@ -4,6 +4,12 @@ A key is a flag's name with `_` or `-` (`n_layers: 2` or `n-layers: 2`); a key g
 spelling or repeated within the file, is an error (YAML and JSON would keep the last silently), and so
 is a key that no flag has. What each key may hold is given by the caller as the argparse keywords of
 its flag (`type`, `choices`, `nargs`), so the file and the command line agree.
+
+The file is bounded before it is parsed: at most MAX_BYTES (a recipe.yaml is about 2 kB), and YAML's
+aliases (`*name`, which repeat a node without writing it again, so that a few lines can stand for billions
+of values) are refused wherever they stand. A number is written as one: a quoted string is not taken for a
+number (`dropout: '0.1'` is refused as `n_layers: abc` is), and YAML reads `1e-3` as the float it is, as
+YAML 1.2 and JSON do (YAML 1.1 wants `1.0e-3`).
 """
 
 from __future__ import annotations
@@ -11,17 +17,20 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..config import check_field_type
-from . import UserError, utf8_text
+from . import NUMBER_TYPES, UserError, utf8_text
 
 #: Each key a file may give -> the argparse keywords of its flag: `type` a class (bool, int, float,
 #: str, Path: the value must be one) or a parser of text (argparse's `type`, given the value as text,
 #: which checks a range too), `choices`, `nargs`.
 Flags = Mapping[str, Mapping[str, Any]]
+
+MAX_BYTES = 1 << 16  # PyYAML reads about 100 kB/s of a long list in pure Python: this keeps a refusal within a second
 
 
 def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
@@ -31,7 +40,11 @@ def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
         raise UserError(f"config file not found: {path}")
     if not path.is_file():
         raise UserError(f"--config {path} is not a regular file (a YAML or JSON file of flags)")
-    text = utf8_text(path.read_bytes(), str(path))
+    with open(path, "rb") as file:
+        raw = file.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise UserError(f"{path} is larger than a config file of flags may be ({MAX_BYTES // 1024} KiB)")
+    text = utf8_text(raw, str(path))
     if path.suffix == ".json":
         try:
             values = json.loads(text, object_pairs_hook=_unique_pairs)
@@ -46,7 +59,7 @@ def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
             values = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader
         except RecursionError:
             raise UserError(f"{path} is not valid YAML: it nests too deeply to read") from None
-        except yaml.YAMLError as error:
+        except (yaml.YAMLError, ValueError) as error:  # ValueError: an integer of more digits than Python reads
             raise UserError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     else:
         raise UserError(f"--config must be a .yaml, .yml or .json file, got {path}")
@@ -67,8 +80,19 @@ def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
 
 
 def _first_repeated(keys: list[Any]) -> Any:
-    """The first of `keys` that occurs more than once, or None (by equality: a YAML key may be a list)."""
-    return next((key for key in keys if keys.count(key) > 1), None)
+    """The first of `keys` seen a second time, or None (by equality: a YAML key may be a list, unhashable)."""
+    hashable: set[Any] = set()
+    unhashable: list[Any] = []
+    for key in keys:
+        try:
+            if key in hashable:
+                return key
+            hashable.add(key)
+        except TypeError:
+            if key in unhashable:
+                return key
+            unhashable.append(key)
+    return None
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -80,10 +104,19 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _unique_keys_loader() -> type:
-    """yaml.SafeLoader refusing a key given twice in a mapping (it keeps the last one silently)."""
+    """yaml.SafeLoader refusing an alias and a key given twice in a mapping (it keeps the last one silently),
+    and reading 1e-3 as a float."""
     import yaml
 
     class UniqueKeys(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, f"an alias (*{event.anchor}) repeats a node, which "
+                                                  "a config file may not do; write the value out",
+                                                  event.start_mark)
+            return super().compose_node(parent, index)
+
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             twice = _first_repeated([self.construct_object(key, deep=deep) for key, _ in node.value])
             if twice is not None:
@@ -91,23 +124,29 @@ def _unique_keys_loader() -> type:
                                                         node.start_mark)
             return super().construct_mapping(node, deep=deep)
 
+    UniqueKeys.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
     return UniqueKeys
 
 
+# The floats with an exponent that YAML 1.1's resolver leaves as strings: 1e-3, 2E5, 1.5e3.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
 def _typed(key: str, value: Any, path: Path, flag: Mapping[str, Any]) -> Any:
-    """A file's value as the flag would parse it: paths from strings, numbers from strings such as
-    1e-3 (which YAML reads as a string), each of the flag's type, choices checked."""
+    """A file's value as the flag would parse it: paths from strings, each of the flag's type (a number
+    written as one, not as a string), choices checked."""
     kind = flag.get("type")
     if kind is not None and not isinstance(kind, type):  # a parser of text checks the range too
+        if isinstance(value, str) and kind in NUMBER_TYPES:
+            raise UserError(f"{key} in {path} must be a number, got the string {value!r}")
         try:
             return kind(str(value))
         except argparse.ArgumentTypeError as error:
             raise UserError(f"{key} in {path}: {error}") from None
-    if isinstance(value, str) and kind in (int, float, Path):
-        try:
-            value = kind(value)
-        except ValueError:
-            raise UserError(f"{key} in {path} must be {kind.__name__}, got {value!r}") from None
+    if isinstance(value, str) and kind in (int, float):
+        raise UserError(f"{key} in {path} must be {kind.__name__}, got the string {value!r}")
+    if isinstance(value, str) and kind is Path:
+        value = Path(value)
     try:
         _check_type(f"{key} in {path}", value, kind, flag.get("nargs"))
     except (TypeError, ValueError) as error:

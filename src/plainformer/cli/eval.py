@@ -12,7 +12,8 @@ from .. import families
 from ..checkpoint.format import load_checkpoint
 from ..data.seq2seq import TASKS
 from ..families.family import refuse_non_model, run_and_checkpoint
-from ..hf.directory import is_hf_directory, read_hf_config
+from ..hf.auto import hf_family
+from ..hf.directory import is_hf_directory
 from . import (
     DTYPE_HELP,
     INFERENCE_DTYPES,
@@ -33,7 +34,8 @@ def flag_families(name: str) -> tuple[str, ...]:
 
 
 # The flags of some families only (each family's `eval_options` says which apply to it).
-EVAL_FLAGS = ("data", "dtype", "quantize", "source_lang", "target_lang", "beam", "length_penalty", "task", "split")
+EVAL_FLAGS = ("data", "dtype", "quantize", "source_lang", "target_lang", "beam", "length_penalty", "task", "split",
+              "text_field", "text_pair_field", "label_field")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +48,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     gpt = parser.add_argument_group(f"language models [{', '.join(flag_families('data'))}]")
     gpt.add_argument("--data", help="text file, .gz, folder, glob or .jsonl[.gz] (default: the run's, else the "
                                    "bundled corpus); encoder-decoder: the pairs to score, in any form train's "
-                                   "--data takes (PREFIX of PREFIX.SRC and PREFIX.TGT, .tsv, .jsonl)")
+                                   "--data takes (PREFIX of PREFIX.SRC and PREFIX.TGT, .tsv, .jsonl); a "
+                                   "classifier's: a labelled .tsv, .csv or .jsonl[.gz] (default: the run's "
+                                   "validation set)")
     gpt.add_argument("--dtype", choices=INFERENCE_DTYPES, help=f"{DTYPE_HELP} (default: float32) [gpt]")
     gpt.add_argument("--quantize", choices=("int8",), help=f"{QUANTIZE_HELP} [gpt]")
+    classifier = parser.add_argument_group(f"classifiers [{', '.join(flag_families('label_field'))}]")
+    classifier.add_argument("--text-field", metavar="NAME", help="--data's text field (default: the run's, else "
+                                                                  "sentence or text)")
+    classifier.add_argument("--text-pair-field", metavar="NAME",
+                            help="--data's second text, for sentence pairs (default: the run's)")
+    classifier.add_argument("--label-field", metavar="NAME", help="--data's label field (default: the run's, "
+                                                                   "else label)")
     seq2seq = parser.add_argument_group(f"encoder-decoder [{', '.join(flag_families('beam'))}]")
     seq2seq.add_argument("--source-lang", metavar="LANG", help="the source language of --data (default: the run's)")
     seq2seq.add_argument("--target-lang", metavar="LANG", help="the target language of --data (default: the run's)")
@@ -64,15 +75,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "eval", help="evaluate a checkpoint of any family",
         description="GPT: validation loss and perplexity over the whole validation split. "
                     "Encoder-decoder: BLEU (sacrebleu) and exact match on the task's test split. "
-                    "BERT: masked-token loss and accuracy, or classification accuracy, on the "
-                    "validation set. Ends with one JSON line of metrics."))
+                    "BERT: masked-token loss and accuracy on the validation set. A classifier: accuracy, "
+                    "macro-F1, Matthews correlation and the confusion matrix on --data or the run's validation "
+                    "set (the matrix also as RUN/confusion_DATA.png). Ends with one JSON line of metrics."))
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    if is_hf_directory(args.ckpt):  # a Hugging Face model, no run recipe: a language model evaluated as a GPT
-        run_dir, checkpoint = args.ckpt, args.ckpt
-        family = "transformer" if read_hf_config(args.ckpt).get("model_type") == "marian" else "gpt"
+    if is_hf_directory(args.ckpt):  # a Hugging Face model: a classifier, a translator (Marian), else evaluated
+        run_dir, checkpoint = args.ckpt, args.ckpt  # as a GPT; no run recipe
+        family = hf_family(args.ckpt)
+        family = family if family in ("bert-cls", "transformer") else "gpt"
     else:
         run_dir, checkpoint = run_and_checkpoint(args.ckpt)
         refuse_non_model(checkpoint)

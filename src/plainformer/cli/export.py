@@ -5,6 +5,7 @@
                                                    and ct2-transformers-converter converts it)
     plainformer export --ckpt RUN --out FILE.gguf [--gguf-type f32|f16|q8_0]     llama-cli -m FILE.gguf
     plainformer export --ckpt LORA_RUN --out DIR --adapter     DIR loads with PeftModel.from_pretrained
+    plainformer export --ckpt CLASSIFIER_RUN --out DIR         pipeline("text-classification", model=DIR) runs it
 
 --ckpt takes a checkpoint directory, a run directory (its best/, else last/; a LoRA run's model is its
 adapter on its base) or a Hugging Face directory. export writes a LoRA run's model merged, or with
@@ -33,9 +34,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "export", help="write a trained model as a Hugging Face directory, a GGUF file or a LoRA adapter",
         description="Write config.json, model.safetensors and the tokenizer (tokenizer.json, "
                     "tokenizer_config.json) that transformers' AutoModelForCausalLM (a GPT: GPT-2 or "
-                    "Llama layout) or BertModel (a BERT's encoder) and AutoTokenizer load, or a translation "
-                    "model as the Marian directory that MarianMTModel and MarianTokenizer load (and "
-                    "CTranslate2's ct2-transformers-converter converts); or a GPT as one "
+                    "Llama layout), BertModel (a BERT's encoder) or BertForSequenceClassification (a classifier, "
+                    "its classes as id2label) and AutoTokenizer load, or a translation model as the Marian "
+                    "directory that MarianMTModel and MarianTokenizer load (and CTranslate2's "
+                    "ct2-transformers-converter converts); or a GPT as one "
                     "GGUF file that llama.cpp and Ollama run (--out FILE.gguf); or a LoRA run's adapter "
                     "alone, which PEFT loads (--adapter).")
     parser.add_argument("--ckpt", type=Path, required=True, help=CKPT_HELP)

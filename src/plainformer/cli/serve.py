@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..families.family import checkpoint_dir
 from ..families.finetuning import base_family
 from ..families.gpt import load_language_model
@@ -28,7 +30,7 @@ from ..generation.prefix_cache import default_capacity
 from ..hf.bert import MINILM_NAME
 from ..inference import for_decoding
 from ..log import log
-from ..memory import format_size
+from ..memory import MemoryBudgetError, available_phrase, device_available, format_size
 from ..nn.lora import unload_lora
 from ..serve.chat import TIMEOUT_S as TEMPLATE_TIMEOUT_S
 from ..serve.embeddings import POOLINGS, PooledGPT, SentenceEmbedder
@@ -72,9 +74,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                              "a request that could exceed it is answered 400 (default: %(default)s)")
     parser.add_argument("--prefix-cache-mb", type=non_negative_number, metavar="MB",
                         help="megabytes (10^6 bytes) of prompts' keys and values kept for the prompts that begin as "
-                             "they do, least recently used evicted first; 0: none (default: an eighth of the memory "
-                             "available once the model is loaded, at most 4 GiB; a model with a sliding window "
-                             "keeps none)")
+                             "they do, least recently used evicted first, at most the memory available once the "
+                             "model is loaded (--max-memory's when given); 0: none (default: an eighth of that "
+                             "memory, at most 4 GiB; a model with a sliding window keeps none)")
     parser.add_argument("--model-name", metavar="NAME",
                         help="the model's id in the API (default: the directory's name)")
     parser.add_argument("--pooling", choices=POOLINGS,
@@ -187,10 +189,20 @@ def _service(args: argparse.Namespace, name: str) -> Service:
     for_decoding(model)
     model.eval()
     embedder = None if args.pooling is None else PooledGPT(model, args.pooling)
-    cache_bytes = (default_capacity(model.token_embedding.weight.device) if args.prefix_cache_mb is None
-                   else int(args.prefix_cache_mb * 1e6))
+    device = model.token_embedding.weight.device
+    cache_bytes = default_capacity(device) if args.prefix_cache_mb is None else _prefix_cache_bytes(args, device)
     return Service(model, name, embedder=embedder, max_batch=args.max_batch, max_queue=args.max_queue,
                    max_response_tokens=args.max_response_tokens, prefix_cache_bytes=cache_bytes)
+
+
+def _prefix_cache_bytes(args: argparse.Namespace, device: torch.device) -> int:
+    """--prefix-cache-mb in bytes: at most the memory free once the model is loaded (within --max-memory)."""
+    free = device_available(device)
+    if args.prefix_cache_mb * 1e6 > free:
+        where = available_phrase() if device.type == "cpu" else f"the {format_size(free)} free on {device}"
+        raise MemoryBudgetError(f"--prefix-cache-mb {args.prefix_cache_mb:g} is more than {where} once the model "
+                                f"is loaded: at most {free // 10**6}")
+    return int(args.prefix_cache_mb * 1e6)
 
 
 def _default_name(ckpt: Path) -> str:

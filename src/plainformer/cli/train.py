@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import families, recipes
 from ..data.seq2seq import TASKS
-from ..families.family import RECIPE_FILE, Run, check_training_memory
+from ..families.family import RECIPE_FILE, Run, check_training_memory, run_or_checkpoint_holding
 from ..families.finetuning import base_family
 from ..families.resolve import (
     RECIPE_OPTIONS,
@@ -41,12 +42,14 @@ from ..families.resolve import (
     resolve_run,
 )
 from ..launch import process_seconds
+from ..log import log
 from ..nn.lora import TARGETS, LoRAConfig
 from ..training.config import TrainConfig
 from . import (
     UserError,
     add_config_arguments,
     add_max_memory_argument,
+    check_output_path,
     config_file,
     field_type,
     positive_int,
@@ -60,16 +63,20 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
     "data": dict(metavar="DATA", help=(
         "text file (documents between two blank lines), .gz, folder, glob or .jsonl[.gz] "
         "(default: the bundled Shakespeare); translation: PREFIX of PREFIX.SRC and PREFIX.TGT (plain or .gz), "
-        "a two-column .tsv or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}")),
+        "a two-column .tsv or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}; a classifier's: labelled "
+        ".tsv, .csv or .jsonl[.gz]")),
     "val_data": dict(metavar="DATA", help=(
-        "held-out validation data, in any form --data takes (default: the end of --data)")),
+        "held-out validation data, in any form --data takes (default: the end of --data; a classifier's: "
+        "a stratified 10%% of it; translation needs it)")),
     "source_lang": dict(metavar="LANG", help="translation: the source language, as the data names it (de)"),
     "target_lang": dict(metavar="LANG", help="translation: the target language, as the data names it (en)"),
     "batch_tokens": dict(type=positive_int, metavar="INT", help=(
         "batches of sentences of similar length holding at most INT tokens a side, padding included (the "
         "paper's batching), and at most --batch-size sentences")),
-    "text_field": dict(metavar="NAME", help="the text field of JSON Lines records "
-                                                              "(default: text)"),
+    "text_field": dict(metavar="NAME", help="the text field of JSON Lines records or a labelled file's header "
+                                            "(default: text; a classifier's: sentence, else text)"),
+    "text_pair_field": dict(metavar="NAME", help="a labelled file's second text, for sentence pairs (default: none)"),
+    "label_field": dict(metavar="NAME", help="a labelled file's label field (default: label)"),
     "tokenizer": dict(choices=("char", "bpe"), help="char or byte-level bpe"),
     "vocab_size": dict(
         type=positive_int, metavar="INT", help="vocabulary of the tokenizer to train (bpe: default 2048; "
@@ -110,7 +117,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, default_preset: str,
         f"(default: {default_preset})"))
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="YAML or JSON file of flag values (e.g. a run's recipe.yaml); flags win")
-    parser.add_argument("--out", type=Path, help="run directory (default: runs/PRESET)")
+    parser.add_argument("--out", type=Path, help=(
+        "run directory, which must hold no run unless --resume (default: runs/PRESET, or where that holds a run "
+        "the first of runs/PRESET-2, -3, ... that does not)"))
     parser.add_argument("--resume", action="store_true", help="continue from OUT/last exactly")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--nproc", type=positive_int, metavar="N", help=(
@@ -151,7 +160,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="`train` for the fine-tuning recipes, by default the one for --init's family: "
                     "gpt-finetune (a GPT on your --data text) or bert-finetune (a BERT, default MiniLM, "
-                    "classifying which of --plays a line of dialogue comes from). --lora-r R trains a "
+                    "classifying the texts of your labelled --data, else which of --plays a line of dialogue "
+                    "comes from; sst2 is its recipe for SST-2). --lora-r R trains a "
                     "rank-R LoRA adapter, kept in the run with a reference to --init (path and sha256), "
                     "instead of every weight. Ends with one JSON line of metrics.")
     add_train_arguments(finetune, default_preset="bert-finetune", fine_tuning=True)
@@ -218,9 +228,12 @@ def resolve(args: argparse.Namespace, default_preset: str, fine_tuning: bool = F
     check_data_paths(given)
     if fine_tuning and "preset" not in given and not args.resume:
         given["preset"] = _fine_tuning_preset(given.get("init"), default_preset)
-    out = given.pop("out", None) or Path("runs") / given.get("preset", default_preset)
+    named = given.pop("out", None)
+    out = named or Path("runs") / given.get("preset", default_preset)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a run directory")
+    if not args.resume:
+        out = _fresh_run_directory(out, named=named is not None)
     saved = read_run_recipe(out) if args.resume else {}
     if "preset" in given and "preset" in saved:
         refuse_changes("run", {"preset": saved["preset"]}, {"preset": given["preset"]})
@@ -232,6 +245,25 @@ def resolve(args: argparse.Namespace, default_preset: str, fine_tuning: bool = F
     return resolve_run(given, preset=preset, recipe=recipe, family=families.get(recipe.family), out=out,
                        resume=args.resume, saved=saved, progress=not args.no_progress,
                        fine_tuning_recipes=fine_tuning_recipes())
+
+
+def _fresh_run_directory(out: Path, *, named: bool) -> Path:
+    """Where a fresh run trains: `out`, unless a run is there (its recipe.yaml, best/ or last/), which training
+    would replace. A --out given (`named`) is then refused; the default runs/PRESET becomes the first of
+    runs/PRESET-2, runs/PRESET-3, ... that holds none, so that `plainformer train` run twice keeps both runs."""
+    holder = run_or_checkpoint_holding(out)
+    if holder is None:
+        return out
+    if holder != out.resolve():
+        check_output_path("--out", out)  # inside a run: refused, naming it
+    if named:
+        raise UserError(f"--out {out} holds a run or checkpoint already: continue it with --resume, train a new one "
+                        f"with another --out, or remove {out} to start over")
+    other = next(other for other in (out.with_name(f"{out.name}-{n}") for n in itertools.count(2))
+                 if run_or_checkpoint_holding(other) is None)
+    log(f"plainformer: {out} holds a run already, kept; this one trains into {other} (--resume continues {out}, "
+        "--out DIR names the directory)")
+    return other
 
 
 # ----------------------------------------------------------------------------- running

@@ -4,8 +4,8 @@
 - line-aligned files named by a prefix and the two languages, plain or gzipped: `DIR/train` with de and en
   reads `DIR/train.de[.gz]` and `DIR/train.en[.gz]`, line i of one translating line i of the other (the
   fairseq and Marian convention);
-- a two-column TSV (`.tsv`, `.tsv.gz`): the source, a tab, the target; a first row that names the two
-  languages (`de<TAB>en`) is a header;
+- a two-column TSV (`.tsv`, `.tsv.gz`): the source, a tab, the target; or, under a first row that names the
+  two languages (`de<TAB>en`, in either order), the columns those names head;
 - JSON Lines (`.jsonl`, `.jsonl.gz`) in the `datasets` shape: `{"translation": {"de": ..., "en": ...}}`.
 
 Each is streamed: `ParallelSource.pairs()` yields one `Pair` at a time with the file and line it came from, and
@@ -16,28 +16,32 @@ an empty side, a side of more than `max_words` words, or a word ratio above `max
 
 `prepare_parallel_data` learns one SentencePiece vocabulary on both sides of the cleaned training pairs (the
 paper's shared vocabulary) and writes every pair's ids to memory-mapped arrays in the cache, in two streamed
-passes: memory holds a chunk of pairs and SentencePiece's bounded sample, not the corpus. A pair whose
-subwords exceed the model's positions is dropped and counted too. Validation pairs are kept whole as text (for
-BLEU) and encoded for the loss where they fit.
+passes: memory holds a chunk of pairs and SentencePiece's bounded sample, not the corpus. It does not depend on
+the model: the batches leave out (and count) the pairs longer than a model's positions (`seq2seq.PairBatches`).
+Validation pairs are kept whole as text too, for BLEU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
+import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from .. import _checks
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
 from ..files.run_lock import run_lock
 from .lm import cache_key, default_cache_dir, token_dtype
-from .sources import text_lines
+from .sources import json_record, text_lines
 from .tokenizers import SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 MAX_WORDS = 250  # clean-corpus-n's usual upper length in words
@@ -92,14 +96,17 @@ class ParallelSource:
 
     def _tsv(self) -> Iterator[Pair]:
         path = self.files[0]
+        source = 0
         for number, line in enumerate(text_lines(path), 1):
             columns = line.rstrip("\n").split("\t")
             if len(columns) != 2:
                 raise ValueError(f"{path}:{number}: expected 2 tab-separated columns (source, target), "
                                  f"got {len(columns)}")
-            if number == 1 and [c.strip() for c in columns] == [self.source_lang, self.target_lang]:
-                continue  # the header
-            yield Pair(columns[0].strip(), columns[1].strip(), f"{path.name}:{number}")
+            names = [c.strip() for c in columns]
+            if number == 1 and sorted(names) == sorted((self.source_lang, self.target_lang)):
+                source = names.index(self.source_lang)  # a header: its names say which column is which
+                continue
+            yield Pair(columns[source].strip(), columns[1 - source].strip(), f"{path.name}:{number}")
 
     def _jsonl(self) -> Iterator[Pair]:
         path = self.files[0]
@@ -107,13 +114,7 @@ class ParallelSource:
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: the JSON nests too deeply") from None
-            pair = record.get("translation") if isinstance(record, dict) else None
+            pair = json_record(line, where).get("translation")
             if not isinstance(pair, dict):
                 raise ValueError(f"{where}: expected an object {{\"translation\": {{\"{self.source_lang}\": ..., "
                                  f"\"{self.target_lang}\": ...}}}}")
@@ -161,16 +162,15 @@ class Dropped:
     empty: int = 0
     too_long: int = 0  # a side of more than max_words words
     ratio: int = 0  # one side more than max_ratio times as many words as the other
-    too_many_tokens: int = 0  # more subwords than the model's positions
 
     @property
     def total(self) -> int:
-        return self.empty + self.too_long + self.ratio + self.too_many_tokens
+        return self.empty + self.too_long + self.ratio
 
     def line(self, kept: int) -> str:
         reasons = ", ".join(f"{count:,} {what}" for count, what in (
-            (self.empty, "with an empty side"), (self.too_long, "too long"), (self.ratio, "past the length ratio"),
-            (self.too_many_tokens, "beyond the model's positions")) if count)
+            (self.empty, "with an empty side"), (self.too_long, "too long"), (self.ratio, "past the length ratio"))
+            if count)
         return f"{kept:,} pairs kept, {self.total:,} dropped" + (f" ({reasons})" if reasons else "")
 
 
@@ -230,25 +230,30 @@ class ParallelData:
 
 
 def prepare_parallel_data(train: str | os.PathLike, val: str | os.PathLike, *, source_lang: str, target_lang: str,
-                          max_tokens: int, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
-                          cache_dir: str | os.PathLike | None = None,
+                          vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
+                          cache_dir: str | os.PathLike | None = None, progress: bool = False,
                           log: Callable[[str], None] | None = None) -> ParallelData:
-    """Prepare `train` and `val` (see `open_parallel`) for a model of `max_tokens` positions: a SentencePiece
-    vocabulary of `vocab_size` learnt on the cleaned training pairs, or the `tokenizer` given (a resumed run's),
-    then the ids of every pair. Cached: a second call with the same files and settings reads the arrays."""
+    """Prepare `train` and `val` (see `open_parallel`): a SentencePiece vocabulary of `vocab_size` learnt on the
+    cleaned training pairs, or the `tokenizer` given (a resumed run's), then the ids of every pair. Cached: a
+    second call with the same files and settings reads the arrays. progress: the pairs read, on stderr."""
     if (tokenizer is None) == (vocab_size is None):
         raise ValueError("give either vocab_size (a vocabulary to learn) or tokenizer (one to use)")
-    _checks.check_positive_int("max_tokens", max_tokens)
+    if vocab_size is not None:
+        _checks.check_positive_int("vocab_size", vocab_size)
     sources = [open_parallel(path, source_lang, target_lang) for path in (train, val)]
     spec = tokenizer.fingerprint if tokenizer is not None else ("sentencepiece", vocab_size)
     directory = (Path(cache_dir or default_cache_dir()) / "parallel"
-                 / cache_key(FORMAT_VERSION, *(s.fingerprint for s in sources), spec, max_tokens, MAX_WORDS, MAX_RATIO))
+                 / cache_key(FORMAT_VERSION, *(s.fingerprint for s in sources), spec, MAX_WORDS, MAX_RATIO))
     data = _load(directory, tokenizer)
     if data is None:
         with run_lock(directory, wait=True):
             data = _load(directory, tokenizer)
             if data is None:
-                _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, max_tokens=max_tokens)
+                try:
+                    _prepare(directory, *sources, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
+                except BaseException:
+                    _discard(directory)  # a refused or interrupted preparation leaves nothing behind
+                    raise
                 data = _load(directory, tokenizer)
                 assert data is not None, "a preparation just written must load"
     if log:
@@ -258,53 +263,68 @@ def prepare_parallel_data(train: str | os.PathLike, val: str | os.PathLike, *, s
 
 
 def _prepare(directory: Path, train: ParallelSource, val: ParallelSource, *, tokenizer: Tokenizer | None,
-             vocab_size: int | None, max_tokens: int) -> None:
+             vocab_size: int | None, progress: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
         assert vocab_size is not None
-        sides = (text for pair in clean(train.pairs(), Dropped()) for text in (pair.source, pair.target))
-        tokenizer = SentencePieceTokenizer.train(sides, vocab_size)
+        with _counting("learning the vocabulary from", train, progress) as count:
+            sides = (text for pair in clean(count(train.pairs()), Dropped()) for text in (pair.source, pair.target))
+            tokenizer = SentencePieceTokenizer.train(sides, vocab_size)
     tokenizer.save(directory / "tokenizer")
     stats = {}
     dropped = Dropped()
-    kept = _write_pairs(directory / "train", clean(train.pairs(), dropped), tokenizer, max_tokens, dropped)
+    with _counting("encoding", train, progress) as count:
+        kept = _write_pairs(directory / "train", clean(count(train.pairs()), dropped), tokenizer)
     stats["train"] = dropped.line(kept)
     val_pairs = list(val.pairs())  # a validation set is small: it is translated whole at each evaluation
     with atomic_path(directory / "val.jsonl") as tmp:
         tmp.write_text("".join(json.dumps([p.source, p.target], ensure_ascii=False) + "\n" for p in val_pairs),
                        encoding="utf-8")
-    val_dropped = Dropped()
-    kept = _write_pairs(directory / "val", (p for p in val_pairs if p.source and p.target), tokenizer, max_tokens,
-                        val_dropped)
-    stats["val"] = f"{len(val_pairs):,} pairs, {kept:,} of them scored for the loss"
+    kept = _write_pairs(directory / "val", (p for p in val_pairs if p.source and p.target), tokenizer)
+    stats["val"] = f"{len(val_pairs):,} pairs, {kept:,} of them with two sides, for the loss"
     with atomic_path(directory / "stats.json") as tmp:  # last: it makes the entry complete
         tmp.write_text(json.dumps(stats, indent=1), encoding="utf-8")
 
 
-def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer, max_tokens: int,
-                 dropped: Dropped) -> int:
-    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin and their offsets into PREFIX.offsets.npy; pairs
-    whose source + eos or bos + target exceed `max_tokens` positions are counted in `dropped`. Returns the pairs
-    written."""
+@contextlib.contextmanager
+def _counting(what: str, source: ParallelSource, enabled: bool) -> Iterator[Callable[[Iterable[Pair]], Iterator[Pair]]]:
+    """A function that passes pairs through, counting them on a progress bar on stderr."""
+    with tqdm(desc=f"{what} {source.name}", unit=" pairs", unit_scale=True, disable=not enabled, file=sys.stderr,
+              mininterval=0.5, leave=False) as bar:
+        def count(pairs: Iterable[Pair]) -> Iterator[Pair]:
+            for pair in pairs:
+                bar.update()
+                yield pair
+        yield count
+
+
+def _write_pairs(prefix: Path, pairs: Iterable[Pair], tokenizer: Tokenizer) -> int:
+    """Encode `pairs` chunk by chunk into PREFIX.{src,tgt}.bin, their lengths into PREFIX.{src,tgt}.len (uint32),
+    each file written as it goes (memory holds one chunk). Returns the pairs written."""
     dtype = token_dtype(tokenizer.vocab_size)
-    offsets: dict[str, list[int]] = {"src": [0], "tgt": [0]}
-    with atomic_path(prefix.with_suffix(".src.bin")) as src_tmp, atomic_path(prefix.with_suffix(".tgt.bin")) as \
-            tgt_tmp, open(src_tmp, "wb") as src_file, open(tgt_tmp, "wb") as tgt_file:
+    written = 0
+    with contextlib.ExitStack() as files:
+        out = {}
+        for name in ("src.bin", "tgt.bin", "src.len", "tgt.len"):
+            tmp = files.enter_context(atomic_path(prefix.with_suffix(f".{name}")))
+            out[name] = files.enter_context(open(tmp, "wb"))
         iterator = iter(pairs)
         while chunk := list(itertools.islice(iterator, ENCODE_CHUNK)):
-            encoded = zip(tokenizer.encode_many([p.source for p in chunk]),
-                          tokenizer.encode_many([p.target for p in chunk]), strict=True)
-            for source, target in encoded:
-                if max(len(source), len(target)) + 1 > max_tokens:
-                    dropped.too_many_tokens += 1
-                    continue
-                src_file.write(np.asarray(source, dtype=dtype).tobytes())
-                tgt_file.write(np.asarray(target, dtype=dtype).tobytes())
-                offsets["src"].append(offsets["src"][-1] + len(source))
-                offsets["tgt"].append(offsets["tgt"][-1] + len(target))
-    with atomic_path(prefix.with_suffix(".offsets.npy")) as tmp, open(tmp, "wb") as file:
-        np.save(file, np.array([offsets["src"], offsets["tgt"]], dtype=np.int64), allow_pickle=False)
-    return len(offsets["src"]) - 1
+            for side, texts in (("src", [p.source for p in chunk]), ("tgt", [p.target for p in chunk])):
+                ids = tokenizer.encode_many(texts)
+                out[f"{side}.bin"].write(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype).tobytes())
+                out[f"{side}.len"].write(np.array([len(i) for i in ids], dtype=np.uint32).tobytes())
+            written += len(chunk)
+    return written
+
+
+def _discard(directory: Path) -> None:
+    """Remove what a preparation wrote in `directory` (all but the lock it holds)."""
+    for path in directory.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name != ".lock":
+            path.unlink(missing_ok=True)
 
 
 def _load(directory: Path, tokenizer: Tokenizer | None) -> ParallelData | None:
@@ -321,14 +341,17 @@ def _load(directory: Path, tokenizer: Tokenizer | None) -> ParallelData | None:
 
 
 def _encoded(prefix: Path, dtype: np.dtype) -> EncodedPairs:
-    offsets = np.load(prefix.with_suffix(".offsets.npy"), allow_pickle=False)
-    arrays = []
-    for side, ends in (("src", offsets[0]), ("tgt", offsets[1])):
+    sides = []
+    for side in ("src", "tgt"):
+        offsets = np.concatenate(([0], np.cumsum(np.fromfile(prefix.with_suffix(f".{side}.len"), dtype=np.uint32),
+                                                 dtype=np.int64)))
         path = prefix.with_suffix(f".{side}.bin")
-        if path.stat().st_size != int(ends[-1]) * dtype.itemsize:
-            raise ValueError(f"{path} does not hold the {int(ends[-1])} tokens its offsets count")
-        arrays.append(np.memmap(path, dtype=dtype, mode="r") if ends[-1] else np.zeros(0, dtype))
-    return EncodedPairs(arrays[0], offsets[0], arrays[1], offsets[1])
+        if path.stat().st_size != int(offsets[-1]) * dtype.itemsize:
+            raise ValueError(f"{path} does not hold the {int(offsets[-1])} tokens its lengths count")
+        sides.append((np.memmap(path, dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype), offsets))
+    if len(sides[0][1]) != len(sides[1][1]):
+        raise ValueError(f"{prefix}: the two sides hold different numbers of pairs")
+    return EncodedPairs(sides[0][0], sides[0][1], sides[1][0], sides[1][1])
 
 
 def read_pairs(data: str | os.PathLike, source_lang: str, target_lang: str) -> tuple[list[str], list[str]]:

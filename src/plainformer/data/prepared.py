@@ -43,6 +43,8 @@ from .. import _checks
 from ..files.atomic import atomic_path, remove_stale_temporaries
 from ..files.json_file import read_json_object
 from ..files.run_lock import run_lock
+from ..log import log
+from ..memory import format_size
 from .corpus import VAL_FRACTION, check_val_fraction, line_cut, val_boundary
 from .lm import (
     FORMAT_VERSION,
@@ -118,12 +120,26 @@ def _progress_bar(sources: Sequence[Source], what: str, enabled: bool) -> tqdm:
                 leave=False)
 
 
+# A source whose text passes EXPANSION_NOTE_CHARS characters and EXPANSION_NOTE characters per byte it holds on disk
+# (a .gz: text compresses 3-4 fold, a gzip bomb a thousand fold) is said to, once: its size, and so the time of each
+# pass over it, is not what the progress bar's bytes on disk suggest.
+EXPANSION_NOTE = 100
+EXPANSION_NOTE_CHARS = 10**8
+
+
 def _scan(source: Source, chars: CharSet | None, progress: bool) -> array:
     """Each document's length in characters; adds the characters seen to `chars` unless None."""
-    lengths, length = array("q"), 0
+    lengths, length, characters, noted = array("q"), 0, 0, False
+    on_disk = source.total_bytes
     with _progress_bar([source], "scanning", progress) as bar:
         for piece in source.pieces(bar.update):
             length += len(piece.text)
+            characters += len(piece.text)
+            if not noted and characters > max(EXPANSION_NOTE_CHARS, EXPANSION_NOTE * on_disk):
+                noted = True
+                bar.clear()
+                log(f"plainformer: {source.name} expands more than {EXPANSION_NOTE}-fold ({characters:,} characters "
+                    f"so far from {format_size(on_disk)} on disk): each pass over it reads all of them; Ctrl-C stops")
             if chars is not None:
                 chars.add(piece.text)
             if piece.last:

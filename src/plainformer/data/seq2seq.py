@@ -172,17 +172,21 @@ class PairBatches:
     permutation of the split is cut into pools of `pool_batches` x batch_size pairs, each pool is sorted by
     length and cut into batches of at most batch_size pairs and, with `batch_tokens`, at most that many tokens
     per side, padding counted (rows x the longest side); then the batches are shuffled. Batch `index` of a
-    split is its index-th across epochs, so it depends only on (seed, split, index, batch_size).
+    split is its index-th across epochs, so it depends only on (seed, split, index, batch_size). With `max_len`
+    (a model's positions) the pairs a side of which is longer are left out; `left_out(split)` counts them.
     """
 
     def __init__(self, splits: Mapping[str, Any], *, pad_id: int, bos_id: int, eos_id: int, seed: int = 0,
-                 pool_batches: int = 32, batch_tokens: int | None = None, source_eos: bool = False):
+                 pool_batches: int = 32, batch_tokens: int | None = None, source_eos: bool = False,
+                 max_len: int | None = None):
         _checks.check_positive_int("pool_batches", pool_batches)
         if batch_tokens is not None:
             _checks.check_positive_int("batch_tokens", batch_tokens)
         self.splits, self.seed, self.pool_batches, self.batch_tokens = dict(splits), seed, pool_batches, batch_tokens
         self.pad_id, self.bos_id, self.eos_id, self.source_eos = pad_id, bos_id, eos_id, source_eos
         self._lengths = {name: self._pair_lengths(pairs) for name, pairs in self.splits.items()}
+        self._rows = {name: np.flatnonzero(np.maximum(*lengths) <= (max_len or np.inf))
+                      for name, lengths in self._lengths.items()}  # the pairs that fit
         self._epoch_cache: tuple[tuple[str, int, int], list[np.ndarray]] | None = None
         self._counts: dict[tuple[str, int], list[int]] = {}  # (split, batch_size) -> batches of each epoch so far
 
@@ -214,10 +218,14 @@ class PairBatches:
             index -= counts[epoch]
             epoch += 1
 
+    def left_out(self, split: str) -> int:
+        """The pairs of `split` longer than max_len, in no batch."""
+        return len(self._lengths[split][0]) - len(self._rows[split])
+
     def _batches(self, split: str, epoch: int, batch_size: int) -> list[np.ndarray]:
         source, target = self._lengths[split]
         rng = np.random.default_rng((self.seed, _split_code(split), epoch))
-        order = rng.permutation(len(source))
+        order = self._rows[split][rng.permutation(len(self._rows[split]))]
         lengths = source + target - 1  # the tokens of the pair, as a task's batches have always sorted them
         pool = batch_size * self.pool_batches
         batches: list[np.ndarray] = []
@@ -249,8 +257,9 @@ class PairBatches:
         if split not in self.splits:
             raise ValueError(f"split must be one of {', '.join(self.splits)}, got {split!r}")
         check_batch_index(index, batch_size)
-        if not len(self._lengths[split][0]):
-            raise ValueError(f"split {split!r} holds no pair")
+        if not len(self._rows[split]):
+            raise ValueError(f"split {split!r} holds no pair" + (f" within max_len ({self.left_out(split):,} longer)"
+                                                                   if self.left_out(split) else ""))
         epoch, within = self._locate(split, index, batch_size)
         rows = self._epoch(split, epoch, batch_size)[within]
         pairs = self.splits[split]

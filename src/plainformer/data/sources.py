@@ -33,6 +33,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from .corpus import DOCUMENT_BREAK, bundled_works, load_text
 
@@ -137,6 +138,8 @@ def open_source(data: str | os.PathLike | None = None, *, text_field: str = "tex
             raise FileNotFoundError(f"no file matches {data}")
         return Source(str(data), tuple(DataFile(p, "jsonl" if _is_jsonl(p) else "file") for p in matches),
                       text_field)
+    if path.exists():  # a device, a pipe, a socket: nothing a size and a second pass can be had from
+        raise ValueError(f"data {path} is not a regular file: give a text file, .gz, folder, glob or .jsonl[.gz]")
     raise FileNotFoundError(f"data file not found: {path}")
 
 
@@ -215,16 +218,24 @@ def _raw_file(file: DataFile, text_field: str, progress: Progress) -> Iterator[s
     yield None
 
 
+def json_record(line: str, where: str) -> dict[str, Any]:
+    """The JSON object of one line of JSON Lines; a ValueError opening with `where` (file and line) otherwise."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: the JSON nests too deeply to read") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
 def _raw_jsonl(file: DataFile, text_field: str, progress: Progress) -> Iterator[str | None]:
     for number, line in enumerate(_text_lines_or_blocks(file, progress, lines=True), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file.path} line {number}: invalid JSON ({err.msg} at column {err.colno})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{file.path} line {number}: expected a JSON object, got {type(record).__name__}")
+        record = json_record(line, f"{file.path} line {number}")
         if text_field not in record:
             fields = ", ".join(map(repr, list(record)[:8])) or "none"
             raise ValueError(f"{file.path} line {number}: no field {text_field!r} (fields: {fields}); "

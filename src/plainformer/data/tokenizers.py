@@ -436,6 +436,21 @@ class WordPieceTokenizer(_HFTokenizer):
         and token_type_ids (B, n) long (0 for [CLS] A [SEP], 1 for B [SEP]). Pairs are truncated
         longest-first, as in Hugging Face.
         """
+        encodings = self._encodings(texts, max_length, pairs, pad=True)
+        return {
+            "input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
+            "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.bool),
+            "token_type_ids": torch.tensor([e.type_ids for e in encodings], dtype=torch.long),
+        }
+
+    def encode_each(self, texts: Sequence[str], max_length: int | None = None,
+                    pairs: Sequence[str] | None = None) -> list[tuple[list[int], list[int]]]:
+        """Each text (with its pair) as (ids, token type ids), unpadded, truncated as `encode_batch` truncates:
+        what a caller that batches by length encodes once."""
+        return [(e.ids, e.type_ids) for e in self._encodings(texts, max_length, pairs, pad=False)]
+
+    def _encodings(self, texts: Sequence[str], max_length: int | None, pairs: Sequence[str] | None,
+                   *, pad: bool) -> list[Any]:
         if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
             raise TypeError(f"texts must be a non-empty list of str, got {type(texts).__name__}")
         items: list[Any] = [_check_text("texts item", t) for t in texts]
@@ -452,16 +467,13 @@ class WordPieceTokenizer(_HFTokenizer):
         try:
             if max_length is not None:
                 self._tok.enable_truncation(max_length, strategy="longest_first")
-            self._tok.enable_padding(pad_id=self.pad_id, pad_token=self.special_tokens["pad"])
-            encodings = self._tok.encode_batch(items)
+            if pad:
+                self._tok.enable_padding(pad_id=self.pad_id, pad_token=self.special_tokens["pad"])
+            return self._tok.encode_batch(items)
         finally:
             self._tok.no_truncation()
             self._tok.no_padding()
-        return {
-            "input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
-            "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.bool),
-            "token_type_ids": torch.tensor([e.type_ids for e in encodings], dtype=torch.long),
-        }
+
 
 class SentencePieceTokenizer(Tokenizer):
     """SentencePiece (Kudo & Richardson 2018): subwords learnt by BPE (Sennrich et al. 2016) on raw text, a
@@ -498,15 +510,28 @@ class SentencePieceTokenizer(Tokenizer):
         _checks.check_positive_int("vocab_size", vocab_size)
         _checks.check_positive_int("max_sentences", max_sentences)
         model = io.BytesIO()
+        raised: list[BaseException] = []  # what reading `texts` raised: SentencePiece would bury it in its own error
+
+        def sentences() -> Iterator[str]:
+            try:
+                for text in texts:
+                    yield _check_text("texts item", text)
+            except Exception as error:
+                raised.append(error)
+
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=(_check_text("texts item", t) for t in texts), model_writer=model,
+                sentence_iterator=sentences(), model_writer=model,
                 vocab_size=vocab_size, model_type="bpe", character_coverage=1.0,
                 input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=threads,
                 pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
                 bos_piece="<s>", eos_piece="</s>", minloglevel=2)
         except RuntimeError as error:  # e.g. "Vocabulary size is too high (8000). Please set it to a value <= 5012."
+            if raised:
+                raise raised[0] from None
             raise ValueError(f"SentencePiece could not learn a vocabulary of {vocab_size} pieces: {error}") from None
+        if raised:
+            raise raised[0]
         return cls(model.getvalue())
 
     @property

@@ -14,7 +14,8 @@ from ..checkpoint.format import load_checkpoint
 from ..hf.auto import load_hf
 from ..hf.directory import is_hf_directory
 from ..models.family_model import FamilyModel
-from .bert import BERT_CLS_FAMILY, BERT_FAMILY, BERT_MLM_FAMILY
+from .bert import BERT_FAMILY, BERT_MLM_FAMILY
+from .classifier import BERT_CLS_FAMILY
 from .family import Family, checkpoint_dir, refuse_non_model
 from .finetuning import load_trained
 from .gpt import GPT_FAMILY

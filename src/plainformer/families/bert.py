@@ -1,11 +1,10 @@
 """BERT: masked-LM pretraining on the bundled corpus with a WordPiece tokenizer trained on it
-(`bert-mlm`), and fine-tuning a pretrained BERT (default: MiniLM) to tell which play a line comes from
-(`bert-cls`); the encoder alone (`bert`) is what Hugging Face's BertModel holds."""
+(`bert-mlm`); the encoder alone (`bert`) is what Hugging Face's BertModel holds. Fine-tuning a pretrained
+BERT to classify text (`bert-cls`) is classifier.py's."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +12,17 @@ import torch
 from torch import nn
 
 from ..checkpoint.format import load_checkpoint
-from ..data.classification import ClassificationBatchSource, play_lines_task
 from ..data.corpus import SPLITS, load_split
 from ..data.lm import build_tokenizer
 from ..data.mlm import MLMBatchSource, encode_stream
-from ..data.tokenizers import WordPieceTokenizer
 from ..errors import UserError
 from ..hf.auto import save_hf
 from ..hf.bert import MINILM_NAME
-from ..hf.sentence import load_bert
 from ..log import log
-from ..models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from ..models.bert import BertConfig, BertForMaskedLM, BertModel
 from ..training.config import TrainConfig
 from ..training.evaluation import accuracy, mean_loss
-from .family import FINE_TUNING_OPTIONS, Family, Run, checkpoint_dir, fit
-from .finetuning import load_trained, starting_model
+from .family import Family, Run, checkpoint_dir, fit
 from .memory_estimates import check_evaluation_memory
 
 
@@ -36,7 +31,7 @@ def model_location(name: str) -> str | Path:
     return name if name == MINILM_NAME else checkpoint_dir(Path(name))
 
 
-def _eval_batch_size(run: Run) -> int:
+def eval_batch_size(run: Run) -> int:
     return run.train_config.eval_batch_size or run.train_config.batch_size
 
 
@@ -76,54 +71,16 @@ def pretrain(run: Run) -> dict[str, Any]:
     model = BertForMaskedLM(config)
     log(f"model: BERT {run.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {run.out}")
     metrics = fit(run, model, source, tokenizer)
-    masked_accuracy = accuracy(model, source, run.train_config.eval_batches, _eval_batch_size(run))
+    masked_accuracy = accuracy(model, source, run.train_config.eval_batches, eval_batch_size(run))
     log(f"validation: MLM loss {metrics['val_loss']:.4f}, masked-token accuracy {masked_accuracy:.4f}; "
         f"embed with: plainformer embed --model {run.out / 'last'}")
     return {**metrics, "val_mlm_loss": metrics["val_loss"], "val_masked_accuracy": masked_accuracy,
             "out": str(run.out)}
 
 
-# ----------------------------------------------------------------------------- finetune
-
-def classifier_from_base(directory: Path, changes: Mapping[str, Any]) -> BertForSequenceClassification:
-    """A classifier on the encoder of `directory` (a Hugging Face BERT, MiniLM's, or a plainformer BERT
-    checkpoint of any head), its config changed by `changes` (n_labels, say); the head is new."""
-    bert, tokenizer = load_bert(directory)
-    model = BertForSequenceClassification(bert.config.replace(**changes))
-    model.bert.load_state_dict(bert.state_dict())
-    model.tokenizer = tokenizer
-    return model
-
-
-def finetune(run: Run) -> dict[str, Any]:
-    """`plainformer finetune`: which of options["plays"] a line of dialogue comes from (lines split by
-    text, none in two splits); validation accuracy against the majority-class baseline. Every weight
-    trains, or with --lora-r the LoRA adapter and the classifier."""
-    task = play_lines_task(run.options["plays"])
-    torch.manual_seed(run.train_config.seed)
-    model, adapter = starting_model(run, n_labels=len(task.classes))
-    assert isinstance(model, BertForSequenceClassification)  # the family's
-    if model.config.n_labels != len(task.classes):
-        raise UserError(f"--resume continues a model of {model.config.n_labels} classes, not {len(task.classes)}")
-    tokenizer = model.tokenizer
-    if not isinstance(tokenizer, WordPieceTokenizer):
-        raise UserError(f"{run.options['init']} holds no WordPiece tokenizer to encode the task's lines with")
-    source = ClassificationBatchSource(task, tokenizer, run.options["seq_len"], seed=run.train_config.seed)
-    val_batches = source.num_batches("val", _eval_batch_size(run))
-    train_config = run.train_config.replace(eval_batches=val_batches)  # the whole validation set
-    log(f"task: {' vs '.join(task.classes)}: {len(task.train):,} training / {len(task.val):,} "
-        f"validation lines; model from {run.options['init']} -> {run.out}")
-    metrics = fit(run, model, source, tokenizer, train_config, adapter)
-    val_accuracy = accuracy(model, source, val_batches, _eval_batch_size(run))
-    baseline = task.majority_baseline("val")
-    log(f"validation accuracy {val_accuracy:.4f} (majority class: {baseline:.4f})")
-    return {**metrics, "val_accuracy": val_accuracy, "majority_baseline": baseline,
-            "classes": list(task.classes), "val_examples": len(task.val), "out": str(run.out)}
-
-
 # ----------------------------------------------------------------------------- eval
 
-def _saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int, int]:
+def saved_batching(args: argparse.Namespace, checkpoint: Any) -> tuple[int, int, int]:
     """(batch size, seed, validation batches) of the evaluation: --batch-size, else the run's
     evaluation batch size."""
     train = checkpoint.config(TrainConfig, "train")
@@ -136,33 +93,12 @@ def evaluate_mlm(args: argparse.Namespace, run_dir: Path, checkpoint: Path, reci
     validation batches (the same masks as during training)."""
     saved = load_checkpoint(checkpoint)
     model = BertForMaskedLM.from_loaded(saved)
-    batch_size, seed, n_batches = _saved_batching(args, saved)
+    batch_size, seed, n_batches = saved_batching(args, saved)
     seq_len = recipe.get("seq_len", 128)
     check_evaluation_memory(model, batch_size, seq_len)
     source = _mlm_source(args.data or recipe.get("data"), model.tokenizer, seq_len, model.config, seed)
     return {"val_mlm_loss": mean_loss(model, source, n_batches, batch_size),
             "val_masked_accuracy": accuracy(model, source, n_batches, batch_size), "batches": n_batches}
-
-
-def evaluate_classifier(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: dict[str, Any]
-                        ) -> dict[str, Any]:
-    """`plainformer eval` of a fine-tuned classifier: accuracy on the whole validation set of the
-    run's task, against the majority-class baseline."""
-    if "plays" not in recipe:
-        raise UserError(f"{run_dir} has no recipe.yaml naming the plays the classifier was trained on")
-    saved = load_checkpoint(checkpoint)
-    model = load_trained(saved, BERT_CLS_FAMILY)
-    assert isinstance(model, BertForSequenceClassification)  # the family's
-    task = play_lines_task(recipe["plays"])
-    batch_size, seed, _ = _saved_batching(args, saved)
-    if not isinstance(model.tokenizer, WordPieceTokenizer):
-        raise UserError(f"{checkpoint} holds no WordPiece tokenizer to encode the task's lines with")
-    seq_len = recipe.get("seq_len", 64)
-    check_evaluation_memory(model, batch_size, seq_len)
-    source = ClassificationBatchSource(task, model.tokenizer, seq_len, seed=seed)
-    return {"val_accuracy": accuracy(model, source, source.num_batches("val", batch_size), batch_size),
-            "majority_baseline": task.majority_baseline("val"), "classes": list(task.classes),
-            "val_examples": len(task.val)}
 
 
 # ----------------------------------------------------------------------------- registration
@@ -173,15 +109,11 @@ def export_encoder(model: nn.Module, directory: Path, tokenizer: Any) -> None:
     save_hf(encoder, directory, tokenizer=tokenizer)  # type: ignore[arg-type]  # a BertModel
 
 
-_BERT_FIELDS = ("vocab_size", "n_labels", "pad_id")
-BERT_FAMILY = Family(name="bert", model=BertModel, config=BertConfig, data_fields=_BERT_FIELDS,
+#: The BertConfig fields the data decides: the tokenizer's, and a classifier's classes.
+BERT_DATA_FIELDS = ("vocab_size", "n_labels", "pad_id", "label_names")
+BERT_FAMILY = Family(name="bert", model=BertModel, config=BertConfig, data_fields=BERT_DATA_FIELDS,
                      export=export_encoder)
 BERT_MLM_FAMILY = Family(
-    name="bert-mlm", model=BertForMaskedLM, config=BertConfig, data_fields=_BERT_FIELDS,
+    name="bert-mlm", model=BertForMaskedLM, config=BertConfig, data_fields=BERT_DATA_FIELDS,
     options=("data", "vocab_size", "seq_len", "threads"), train=pretrain, evaluate=evaluate_mlm,
     eval_options=("data",), export=export_encoder)
-BERT_CLS_FAMILY = Family(
-    name="bert-cls", model=BertForSequenceClassification, config=BertConfig, data_fields=_BERT_FIELDS,
-    options=("seq_len", "plays", "threads", *FINE_TUNING_OPTIONS), train=finetune, evaluate=evaluate_classifier,
-    finetune_fields=("dropout", "attention_dropout"), from_base=classifier_from_base, head=("classifier",),
-    export=export_encoder)

@@ -30,6 +30,9 @@ from .family import FINE_TUNING_OPTIONS, Family, Run, plain
 RECIPE_OPTIONS = tuple(dict.fromkeys(name for family in trained() for name in family.options))
 #: Options that may change on --resume: how to run, not what.
 RUN_OPTIONS = ("threads",)
+#: Model fields that one value of another field alone reads: given beside any other (and other than their default,
+#: which every recipe.yaml holds), nothing would read them.
+READ_ONLY_WITH = {"rope_base": ("pos_encoding", "rope")}
 
 
 def model_configs() -> tuple[type[Config], ...]:
@@ -92,6 +95,7 @@ def resolve_run(given: Mapping[str, Any], *, preset: str, recipe: Any, family: F
     if recipe.shapes and not recipe.shape_fields() & {*model_given, *train_given}:
         recipe, shape_note = _shaped_for_this_machine(recipe, train_given)
     model = recipe.model.replace(**model_given) if recipe.model is not None else None
+    _refuse_unread(model_given, model)
     train = {**recipe.train.to_dict(), **train_given}
     _tie_schedule(train, train_given, model)
     return Run(preset, family, model, TrainConfig.from_dict(train), {**recipe.options, **options_given}, out,
@@ -114,6 +118,16 @@ def _check_applicable(given: Mapping[str, Any], family: Family, preset: str, fin
         if key in model_fields() and key not in fields:
             raise UserError(f"--{key.replace('_', '-')} is not a field of {family.config.__name__}, the "
                             f"model of {preset!r}")
+
+
+def _refuse_unread(model_given: Mapping[str, Any], model: Config | None) -> None:
+    """A UserError for a model field given that the model's other fields leave unread (READ_ONLY_WITH)."""
+    defaults = {} if model is None else {f.name: f.default for f in dataclasses.fields(model)}
+    for name, (other, value) in READ_ONLY_WITH.items():
+        chosen = getattr(model, other, value)
+        if name in model_given and model_given[name] != defaults.get(name) and chosen != value:
+            raise UserError(f"--{name.replace('_', '-')} is read by --{other.replace('_', '-')} {value} only, not by "
+                            f"this run's --{other.replace('_', '-')} {chosen}: drop it")
 
 
 def _split(given: Mapping[str, Any], family: Family) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -81,9 +81,9 @@ def train_translation(run: Run) -> dict[str, Any]:
     model_config = run.model_config(TransformerConfig)
     tokenizer = run.checkpoint.load_tokenizer() if run.checkpoint is not None else None
     data = prepare_parallel_data(
-        options["data"], options["val_data"], source_lang=languages[0], target_lang=languages[1],
-        max_tokens=model_config.max_len, tokenizer=tokenizer,
-        vocab_size=None if tokenizer else options.get("vocab_size") or DEFAULT_VOCAB, log=log)
+        options["data"], options["val_data"], source_lang=languages[0], target_lang=languages[1], tokenizer=tokenizer,
+        vocab_size=None if tokenizer else options.get("vocab_size") or DEFAULT_VOCAB,
+        progress=run.progress, log=log)
     tokenizer = data.tokenizer
     if not run.resume:
         model_config = model_config.replace(
@@ -91,16 +91,21 @@ def train_translation(run: Run) -> dict[str, Any]:
             bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, source_eos=True)
     source = PairBatches({"train": data.train, "val": data.val}, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                          eos_id=tokenizer.eos_id, seed=run.train_config.seed,
-                         batch_tokens=options.get("batch_tokens"), source_eos=True)
+                         batch_tokens=options.get("batch_tokens"), source_eos=True, max_len=model_config.max_len)
+    for split in ("train", "val"):
+        if source.left_out(split):
+            log(f"{split}: {source.left_out(split):,} pairs longer than max_len={model_config.max_len} tokens left out")
     torch.manual_seed(run.train_config.seed)
     model = Transformer(model_config)
     model.tokenizer = tokenizer
     log(f"model: Transformer, {model.num_parameters():,} parameters, {torch.get_num_threads()} thread(s), "
         f"{source.batches_per_epoch('train', run.train_config.batch_size):,} batches an epoch -> {run.out}")
 
+    val_sources, val_references = fitting_pairs(data.val_sources, data.val_references, tokenizer, model_config)
+
     def score(model: Any) -> dict[str, float]:
-        hypotheses = model.translate(data.val_sources, batch_size=VAL_BATCH)
-        scores = translation_scores(hypotheses, data.val_references)
+        hypotheses = model.translate(val_sources, batch_size=VAL_BATCH)
+        scores = translation_scores(hypotheses, val_references)
         return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 
     metrics = fit(run, model, source, tokenizer, selection=Selection(score, "bleu"))
@@ -109,9 +114,19 @@ def train_translation(run: Run) -> dict[str, Any]:
     return {**metrics, "out": str(run.out)}
 
 
+def fitting_pairs(sources: list[str], references: list[str], tokenizer: Any, config: TransformerConfig
+                  ) -> tuple[list[str], list[str]]:
+    """The validation pairs whose source fits the model's positions, the others counted in the log."""
+    fits = [len(ids) + config.source_eos <= config.max_len for ids in tokenizer.encode_many(sources)]
+    if not all(fits):
+        log(f"validation BLEU: {fits.count(False):,} sources longer than max_len={config.max_len} tokens left out")
+    return ([s for s, fit in zip(sources, fits, strict=True) if fit],
+            [r for r, fit in zip(references, fits, strict=True) if fit])
+
+
 def average_kept(run: Run, score: Any) -> dict[str, Any]:
     """The checkpoints the run kept (TrainConfig.keep_checkpoints) averaged into OUT/averaged and scored; it
-    replaces best/ where its BLEU is higher."""
+    replaces best/ where its BLEU is higher (and best_val_bleu is then its)."""
     kept = kept_checkpoints(run.out)
     if len(kept) < 2:
         return {}
@@ -122,10 +137,12 @@ def average_kept(run: Run, score: Any) -> dict[str, Any]:
     best = load_checkpoint(run.out / "best").trainer_state or {}
     log(f"the last {len(kept)} checkpoints averaged -> {averaged}: validation BLEU {scores['bleu']:.2f}, "
         f"best/ {best.get('best_score', float('nan')):.2f}")
+    metrics = {"averaged": len(kept), **{f"averaged_val_{k}": v for k, v in scores.items()}}
     if best.get("best_score") is None or scores["bleu"] > best["best_score"]:
         replace_checkpoint(averaged, run.out / "best")
         log(f"{run.out}/best now holds the average")
-    return {"averaged": len(kept), **{f"averaged_val_{k}": v for k, v in scores.items()}}
+        metrics["best_val_bleu"] = scores["bleu"]
+    return metrics
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -153,7 +170,14 @@ def check_beam(model: Transformer, beam: int, sources: Sequence[str], batch_size
         raise UserError(f"--beam {beam} is more than the {vocab_size} tokens of the target vocabulary: "
                         f"at most --beam {vocab_size}")
     tokenizer = model.tokenizer  # without one, translate refuses: then the longest source max_len allows
-    lengths = [len(tokenizer.encode(text)) for text in sources] if tokenizer is not None else [model.config.max_len]
+    if tokenizer is None:
+        lengths = [model.config.max_len]
+    else:
+        lengths = [len(ids) + model.config.source_eos for ids in tokenizer.encode_many(sources)]
+        too_long = next((i for i, length in enumerate(lengths) if length > model.config.max_len), None)
+        if too_long is not None:
+            raise UserError(f"sentence {too_long + 1} is {lengths[too_long]} tokens long, more than the model's "
+                            f"max_len={model.config.max_len}: split it")
     sentences, source_len = max(1, min(batch_size, len(sources))), max(1, *lengths)
     check_beam_memory(model, beam, sentences, source_len)
 

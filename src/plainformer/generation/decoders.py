@@ -100,6 +100,12 @@ class SourceBoundDecoder:
         return self.model.decoder.new_kv_caches(self.memory, self.block_size,
                                                 repeats=self._repeats(batch_size))
 
+    def keep_sources(self, indices: Tensor) -> None:
+        """Decode only the sources `indices` (S',) from now on, in that order: beam search leaves out the
+        sentences it is done with."""
+        self.memory, self.memory_key_padding_mask = self.memory[indices], self.memory_key_padding_mask[indices]
+        self._expanded = None
+
     def __call__(self, idx: Tensor, *, kv_caches: list[Any] | None = None,
                  attention_mask: Tensor | None = None) -> tuple[Tensor, None]:
         """Target prefixes idx (B, n) -> logits; they are never padded (`attention_mask` is None)."""

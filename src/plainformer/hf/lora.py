@@ -6,6 +6,10 @@ names), so `peft.PeftModel.from_pretrained(hf_model, DIR)` loads what `save_lora
 reads what `PeftModel.save_pretrained` writes. A model without one (GPT-2's fused `c_attn` holds W_q, W_k
 and W_v in one tensor, so PEFT cannot adapt them apart; the encoder-decoder) is saved in plainformer's
 names (`{module}.lora_A`), which `load_lora` reads too. Nothing is pickled.
+
+A BERT classifier's adapter is PEFT's SEQ_CLS task: besides A and B it holds the classifier it trains
+(`modules_to_save`: `base_model.model.classifier.weight` and `.bias`), which PEFT puts in place of the
+classifier of the BertForSequenceClassification it loads the adapter onto.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor, nn
 
 from ..files.atomic import atomic_path
 from ..files.json_file import read_json_object
-from ..models.bert import BertModel
+from ..models.bert import BertForSequenceClassification, BertModel
 from ..models.gpt import GPT
 from ..nn.lora import LoRALinear, add_lora
 from .bert import bert_name_map
@@ -30,6 +34,8 @@ from .gpt_layouts import LLAMA, MIXTRAL, field_without_layout, layout_for
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
+# PEFT's task types, and the modules it saves whole beside the adapter, by the model's class.
+_CLASSIFIER_HEAD = ("classifier",)
 
 
 def _hf_modules(model: nn.Module) -> dict[str, str] | None:
@@ -42,6 +48,8 @@ def _hf_modules(model: nn.Module) -> dict[str, str] | None:
         pairs = [(w.ours[0], w.hf) for w in weight_map(model.config) if len(w.ours) == 1]
     elif isinstance(model, BertModel):
         pairs = [(ours, hf) for hf, ours in bert_name_map(model.config.n_layers).items()]
+    elif isinstance(model, BertForSequenceClassification):
+        pairs = [(f"bert.{ours}", f"bert.{hf}") for hf, ours in bert_name_map(model.config.n_layers).items()]
     else:
         return None
     return {ours.removesuffix(".weight"): hf.removesuffix(".weight") for ours, hf in pairs
@@ -76,7 +84,12 @@ def save_lora(model: nn.Module, directory: str | os.PathLike, *, base_model_name
         suffix = ".weight" if peft_names else ""
         tensors[f"{names[name]}.lora_A{suffix}"] = layer.lora_A.detach().cpu().contiguous()
         tensors[f"{names[name]}.lora_B{suffix}"] = layer.lora_B.detach().cpu().contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if isinstance(model, GPT) else None,
+    heads = _heads(model)
+    for head in heads:
+        for weight, tensor in model.get_submodule(head).state_dict().items():
+            tensors[f"{_PEFT_PREFIX}{head}.{weight}"] = tensor.detach().cpu().contiguous()
+    task = "CAUSAL_LM" if isinstance(model, GPT) else "SEQ_CLS" if heads else None
+    config = {"peft_type": "LORA", "task_type": task, "modules_to_save": list(heads) or None,
               "r": first.r, "lora_alpha": first.alpha, "lora_dropout": first.lora_dropout.p,
               "target_modules": sorted({n.rpartition(".")[2] for n in names.values()}), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
@@ -89,14 +102,23 @@ def save_lora(model: nn.Module, directory: str | os.PathLike, *, base_model_name
     return directory
 
 
+def _heads(model: nn.Module) -> tuple[str, ...]:
+    """The modules an adapter of `model` holds whole (PEFT's modules_to_save): a classifier's head."""
+    return _CLASSIFIER_HEAD if isinstance(model, BertForSequenceClassification) else ()
+
+
 def load_lora(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     """Add the adapter in `directory` (written by `save_lora` or by PEFT's `save_pretrained`) to `model`,
-    which has no LoRA layers yet; returns `model`. Every tensor is checked against the layer it fits."""
+    which has no LoRA layers yet; returns `model`, with a classifier's head from the adapter where it holds
+    one. Every tensor is checked against the layer it fits."""
     directory = Path(directory)
     config = read_json_object(directory / ADAPTER_CONFIG)
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{directory / ADAPTER_CONFIG}: peft_type is {config.get('peft_type')!r}, not 'LORA'")
-    adapters = _adapters(model, directory, load_file(directory / ADAPTER_WEIGHTS))
+    tensors = load_file(directory / ADAPTER_WEIGHTS)
+    heads = {name: tensor for name, tensor in tensors.items()
+             if name.removeprefix(_PEFT_PREFIX).partition(".")[0] in _heads(model)}
+    adapters = _adapters(model, directory, {name: t for name, t in tensors.items() if name not in heads})
     targets = sorted({name.rpartition(".")[2] for name in adapters})
     add_lora(model, r=config.get("r", 8), alpha=float(config.get("lora_alpha", 8)),
              dropout=float(config.get("lora_dropout", 0.0)), targets=targets)
@@ -110,6 +132,12 @@ def load_lora(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
                 raise ValueError(f"{directory / ADAPTER_WEIGHTS}: {name}.{which} has shape {tuple(saved.shape)}, "
                                  f"the model's is {tuple(ours.shape)}")
             ours.data.copy_(saved)
+    for name, tensor in heads.items():
+        weight = model.get_parameter(name.removeprefix(_PEFT_PREFIX))
+        if tensor.shape != weight.shape:
+            raise ValueError(f"{directory / ADAPTER_WEIGHTS}: {name} has shape {tuple(tensor.shape)}, the model's "
+                             f"is {tuple(weight.shape)} (another number of classes?)")
+        weight.data.copy_(tensor)
     return model
 
 

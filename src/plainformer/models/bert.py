@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..config import Config, one_of, positive_int, positive_number, probability
+from ..config import Config, checked, one_of, positive_int, positive_number, probability
 from ..constants import IGNORE_INDEX
 from ..data.tokenizers import Tokenizer
 from ..memory import unchecked
@@ -37,9 +37,19 @@ from ..nn.positional import LearnedPositionalEmbedding
 from .family_model import FamilyModel
 
 
+def _check_label_names(name: str, value: object) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(item, str) and item for item in value):
+        raise TypeError(f"{name} must be a tuple of non-empty str, got {value!r}"[:200])
+    if len(set(value)) != len(value):
+        raise ValueError(f"{name} must name each class once, got {list(value)}"[:200])
+
+
 @dataclasses.dataclass
 class BertConfig(Config):
-    """Shape and options of a BERT. vocab_size is set from the tokenizer when pretraining."""
+    """Shape and options of a BERT. vocab_size is set from the tokenizer when pretraining.
+
+    A classifier's `n_labels` classes are named by `label_names` (Hugging Face's id2label, in id order);
+    None names them LABEL_0, LABEL_1, ... as Hugging Face does (`class_names`)."""
 
     vocab_size: int = positive_int(30522)
     max_len: int = positive_int(512)
@@ -56,6 +66,7 @@ class BertConfig(Config):
     pad_id: int | None = 0
     n_labels: int = positive_int(2)
     init_std: float = positive_number(0.02)
+    label_names: tuple[str, ...] | None = checked(None, _check_label_names)
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # BERT-base (Devlin et al. 2019, section 3): 110M parameters.
@@ -68,10 +79,27 @@ class BertConfig(Config):
         "tiny": dict(vocab_size=4096, max_len=128, n_layers=2, n_heads=2, d_model=128, d_ff=512),
     }
 
+    def __post_init__(self) -> None:
+        if isinstance(self.label_names, list):  # JSON gives a list; the config holds a tuple
+            self.label_names = tuple(self.label_names)
+        super().__post_init__()
+
     def validate(self) -> None:
         _checks.check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
         if self.pad_id is not None:
             _checks.check_index("pad_id", self.pad_id, self.vocab_size, "vocab_size")
+        if self.label_names is not None and len(self.label_names) != self.n_labels:
+            raise ValueError(f"label_names must name the n_labels={self.n_labels} classes, "
+                             f"got {len(self.label_names)} names")
+
+    def class_names(self) -> tuple[str, ...]:
+        """The classifier's classes in id order: `label_names`, else LABEL_0 .. LABEL_{n_labels-1}."""
+        return self.label_names or default_label_names(self.n_labels)
+
+
+def default_label_names(n_labels: int) -> tuple[str, ...]:
+    """Hugging Face's names of unnamed classes: LABEL_0, LABEL_1, ..."""
+    return tuple(f"LABEL_{i}" for i in range(n_labels))
 
 
 class BertOutput(NamedTuple):

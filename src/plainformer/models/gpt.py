@@ -25,7 +25,10 @@ The variants of the block that the speedruns added (issue 49), each a GPTConfig 
     token_shift         e_t ← e_t + σ(g) ⊙ E[x_{t−1}]                      (nn/previous_token.py)
     bigram_embedding    e_t ← e_t + B[x_{t−1} · V + x_t]                    (nn/previous_token.py)
 
-so that h_0 = Norm(E[x_t] + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1}, x_t] + P_t) with every one on.
+so that h_0 = Norm(E[x_t] + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1}, x_t] + P_t) with every one on. With the attention
+variants (qk_norm, attn_softcap, sliding_window, pos_encoding="alibi": `nn.attention.VariantAttention`) they are
+`GPTConfig.variants`. `GPT` and `Block` hold none of them and read as the equations at the top; a config with
+any variant on builds a `VariantGPT` of `VariantBlock`s instead (below), the class chosen once by `GPT(config)`.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from ..generation.decoding import generate_padded, pad_prompts
 from ..generation.sampling import Generators
 from ..generation.stopping import StopStrings
 from ..memory import unchecked
-from ..nn.attention import BACKENDS, MultiHeadAttention, check_softcap_backend
+from ..nn.attention import BACKENDS, MultiHeadAttention, VariantAttention, check_softcap_backend
 from ..nn.dtypes import at_least_float32
 from ..nn.feedforward import ACTIVATIONS, FeedForward
 from ..nn.kv_cache import KVCache
@@ -69,10 +72,13 @@ from ..nn.normalization import NORMS, RMSNorm, make_norm
 from ..nn.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..nn.previous_token import BigramEmbedding, TokenShift, previous_tokens
 from ..nn.rope import RotaryEmbedding, Rotation
-from ..nn.shortcuts import EmbeddingShortcut, FirstLayerValues, ValueResidual
+from ..nn.shortcuts import EmbeddingShortcut, ValueResidual
 from .family_model import FamilyModel
 
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
+# The variants' fields (the module docstring's table; README's), each off by default; pos_encoding="alibi" is one too.
+VARIANTS = ("qk_norm", "attn_softcap", "sliding_window", "logit_softcap", "zero_init", "embed_norm", "x0_mix",
+            "value_residual", "token_shift", "bigram_embedding")
 
 
 @dataclasses.dataclass
@@ -95,7 +101,7 @@ class GPTConfig(Config):
     backend: str = one_of("auto", BACKENDS)
     rope_base: float = greater_than(10000.0, 1)
     norm_eps: float = positive_number(1e-5)
-    # Attention variants, each off by default (nn/attention.py): see the README's table.
+    # Attention variants, each off by default (nn/attention.py's VariantAttention): see the README's table.
     qk_norm: bool = False
     attn_softcap: float | None = positive_number(None)
     sliding_window: int | None = positive_int(None)
@@ -151,6 +157,9 @@ class GPTConfig(Config):
                              "would zero the embedding")
         if self.attn_softcap is not None:
             check_softcap_backend(self.backend, "attn_softcap")
+        if self.sliding_window is not None and self.sliding_window > self.block_size:
+            raise ValueError(f"sliding_window must be at most block_size={self.block_size}, the context, got "
+                             f"{self.sliding_window} (None: the whole context)")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) is MoE: experts on, past the dense ones, on the moe_every grid."""
@@ -160,6 +169,11 @@ class GPTConfig(Config):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants that are on: the `VARIANTS` fields set, and "alibi" for pos_encoding="alibi"."""
+        return (*(name for name in VARIANTS if getattr(self, name)), *("alibi",) * (self.pos_encoding == "alibi"))
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -173,49 +187,42 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 class Block(nn.Module):
     """One GPT block, built from the GPTConfig it belongs to (pre-LN, as GPT-2 and nanoGPT):
 
-        x = a · x + b · x0                 with x0_mix: the embedding output x0 mixed in (`x0_mix`)
         x = x + Dropout(Attn(LN_1(x)))     causal multi-head self-attention (rope rotates q and k)
         x = x + Dropout(FFN(LN_2(x)))      a dense FFN, or MoE where config.is_moe_layer(layer_index)
 
-    With value_residual every block after the first mixes its values with the first block's (its
-    `value_residual` holds λ). Submodules, named as checkpoints and the Hugging Face weight maps
-    (hf/gpt.py) know them: `self_attn`, `ff`, `norm1`, `norm2` (and `x0_mix`, `value_residual`).
-    Nothing is checked here: the config was, when it was built.
+    Submodules, named as checkpoints and the Hugging Face weight maps (hf/gpt_layouts.py) know them:
+    `self_attn`, `ff`, `norm1`, `norm2`. The variants are `VariantBlock`'s. Nothing is checked here: the
+    config was, when it was built.
     """
 
     def __init__(self, config: GPTConfig, layer_index: int):
         super().__init__()
         c = config
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias,
-                                            dropout=c.dropout, backend=c.backend, qk_norm=c.qk_norm,
-                                            norm_eps=c.norm_eps, softcap=c.attn_softcap,
-                                            alibi=c.pos_encoding == "alibi", window=c.sliding_window,
-                                            validate_args=False)
+        self.self_attn = self._attention(c)
         self.ff = _feed_forward(c, layer_index)
         self.norm1 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.norm2 = make_norm(c.norm, c.d_model, eps=c.norm_eps, bias=c.bias, validate_args=False)
         self.dropout1, self.dropout2 = nn.Dropout(c.dropout), nn.Dropout(c.dropout)
-        self.x0_mix = EmbeddingShortcut() if c.x0_mix else None
-        self.value_residual = ValueResidual() if c.value_residual and layer_index > 0 else None
+
+    @staticmethod
+    def _attention(c: GPTConfig) -> MultiHeadAttention:
+        return MultiHeadAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias, dropout=c.dropout,
+                                  backend=c.backend, validate_args=False)
 
     def forward(self, x: Tensor, mask: AttentionMask | None = None, *, rope: Rotation | None = None,
-                kv_cache: KVCache | None = None, x0: Tensor | None = None,
-                first_values: FirstLayerValues | None = None) -> Tensor:
+                kv_cache: KVCache | None = None) -> Tensor:
         """x (B, n, d_model) -> (B, n, d_model). mask: the batch's causal `AttentionMask`, which `GPT`
-        builds once for all its blocks (default: built here). kv_cache: x holds the positions after
-        the cached ones. x0: the embedding output, for x0_mix (default: x, as for the first block).
-        first_values: with value_residual, the pass's first-layer values (the first block keeps them)."""
-        if mask is None:
-            keys = x.shape[1] if kv_cache is None else kv_cache.attended(x.shape[1])
-            mask = AttentionMask.build(x.shape[1], keys, is_causal=True, cached=keys - x.shape[1],
-                                       window=self.self_attn.window, alibi=self.self_attn.alibi_slopes,
-                                       device=x.device)
-        if self.x0_mix is not None:
-            x = self.x0_mix(x, x if x0 is None else x0)
-        value_mix = None if first_values is None else first_values.value_mix(self.value_residual)
+        builds once for all its blocks (default: `own_mask`). kv_cache: x holds the positions after the
+        cached ones."""
+        mask = self.own_mask(x, kv_cache) if mask is None else mask
         h = self.norm1(x)
-        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache, value_mix=value_mix))
+        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache))
         return x + self.dropout2(self.ff(self.norm2(x)))
+
+    def own_mask(self, x: Tensor, kv_cache: KVCache | None = None) -> AttentionMask:
+        """The causal mask of x (B, n, d_model), the positions after kv_cache's: a block called alone."""
+        n = x.shape[1]
+        return AttentionMask.causal(n, n if kv_cache is None else kv_cache.attended(n), device=x.device)
 
     def residual_projections(self) -> list[Tensor]:
         """The weights that write into the residual stream: W_o, and the FFN's W_2 (every expert's)."""
@@ -223,6 +230,61 @@ class Block(nn.Module):
             shared = [] if self.ff.shared is None else [self.ff.shared.W_2.weight]
             return [self.self_attn.W_o.weight, self.ff.W_2, *shared]
         return [self.self_attn.W_o.weight, cast(FeedForward, self.ff).W_2.weight]
+
+
+class VariantBlock(Block):
+    """A GPT block with the variants its config turns on (the module docstring's table), each off by default:
+
+        x = a · x + b · x0                 x0_mix: the embedding output x0 mixed in (`x0_mix` holds a, b)
+        x = x + Dropout(Attn(LN_1(x)))     a `VariantAttention`: QK-norm, soft-caps, ALiBi, a sliding window
+        x = x + Dropout(FFN(LN_2(x)))
+
+    With value_residual the attention of every block after the first reads v ← λ · v + (1 − λ) · v_1, its
+    values mixed with the first block's (`value_residual` holds λ; the first block has none). A `VariantGPT`
+    builds these and hands each the embedding output x0 and the first block's values v_1.
+    """
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__(config, layer_index)
+        self.x0_mix = EmbeddingShortcut() if config.x0_mix else None
+        self.value_residual = ValueResidual() if config.value_residual and layer_index > 0 else None
+        self.shares_values = config.value_residual
+
+    @staticmethod
+    def _attention(c: GPTConfig) -> VariantAttention:
+        return VariantAttention(c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias, dropout=c.dropout,
+                                backend=c.backend, qk_norm=c.qk_norm, norm_eps=c.norm_eps, softcap=c.attn_softcap,
+                                alibi=c.pos_encoding == "alibi", window=c.sliding_window, validate_args=False)
+
+    def forward(self, x: Tensor, mask: AttentionMask | None = None, *,  # type: ignore[override]  # and v_1
+                rope: Rotation | None = None, kv_cache: KVCache | None = None, x0: Tensor | None = None,
+                v1: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, n, d_model) -> (the block's output (B, n, d_model), the pass's first-layer values v_1).
+
+        x0: the embedding output, for x0_mix (default: x, as for the first block). v1 (B, H_kv, n, d_k): with
+        value_residual, the first block's values (None for the first block, which returns its own); without
+        it, v_1 is None."""
+        mask = self.own_mask(x, kv_cache) if mask is None else mask
+        if self.x0_mix is not None:
+            x = self.x0_mix(x, x if x0 is None else x0)
+        h = self.norm1(x)
+        v = self._values(h, v1)
+        x = x + self.dropout1(self.self_attn(h, h, h, mask, rope=rope, kv_cache=kv_cache, values=v))
+        return x + self.dropout2(self.ff(self.norm2(x))), v if v1 is None else v1
+
+    def own_mask(self, x: Tensor, kv_cache: KVCache | None = None) -> AttentionMask:
+        """`Block.own_mask` with the attention's window and ALiBi."""
+        n = x.shape[1]
+        attn = cast(VariantAttention, self.self_attn)
+        return attn.causal_mask(n, n if kv_cache is None else kv_cache.attended(n), device=x.device)
+
+    def _values(self, h: Tensor, v1: Tensor | None) -> Tensor | None:
+        """With value_residual, the values this block's attention reads: h W^V (B, H_kv, n, d_k), mixed with
+        v1 after the first block. Without it None: the attention projects its own."""
+        if not self.shares_values:
+            return None
+        v = self.self_attn.project_v(h)
+        return v if v1 is None or self.value_residual is None else self.value_residual(v, v1)
 
 
 def _feed_forward(config: GPTConfig, layer_index: int) -> nn.Module:
@@ -244,42 +306,49 @@ def moe_layer_count(config: GPTConfig) -> int:
 
 
 class GPT(FamilyModel):
-    """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss)."""
+    """Decoder-only Transformer LM. forward(idx (B, n), targets (B, n) | None) -> (logits (B, n, V), loss).
+
+    The equations at the top of this module and nothing else. `GPT(config)` with any of `config.variants` on
+    builds a `VariantGPT` instead, as `pathlib.Path(...)` builds a `PosixPath`: the class is chosen once, here.
+    """
 
     family = "gpt"
     config_class = GPTConfig
     config: GPTConfig
     tokenizer: Tokenizer | None
+    block_class: ClassVar[type[Block]] = Block
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GPT:
+        config = args[0] if args else kwargs.get("config")
+        chosen = VariantGPT if cls is GPT and isinstance(config, GPTConfig) and config.variants else cls
+        return super().__new__(chosen)
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)  # checked, and its bytes, before anything is allocated
-        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.token_shift = TokenShift(config.d_model) if config.token_shift else None
-        self.bigram = BigramEmbedding(config.vocab_size, config.d_model) if config.bigram_embedding else None
-        self.position = self._make_position_encoding(config)
-        self.embed_norm = (RMSNorm(config.d_model, eps=config.norm_eps, validate_args=False)
-                           if config.embed_norm else None)
+        self._build_embeddings(config)
         self.rope = (RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, validate_args=False)
                      if config.pos_encoding == "rope" else None)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self.blocks = nn.ModuleList(self.block_class(config, layer) for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.d_model, eps=config.norm_eps, bias=config.bias,
                               validate_args=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
+        self._init_parameters()
+
+    def _build_embeddings(self, config: GPTConfig) -> None:
+        """E, and P where positions are learned or sinusoidal: h_0 = E[idx] + P."""
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position = self._make_position_encoding(config)
+
+    def _init_parameters(self) -> None:
+        """GPT-2's: N(0, 0.02) weights, zero biases, and N(0, 0.02/√(2·n_layers)) for the residual projections."""
         self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for block in cast(Iterable[Block], self.blocks):
             for weight in block.residual_projections():
                 nn.init.normal_(weight, std=residual_std)
-        if config.zero_init:  # every residual branch adds 0 at first, and every logit is 0 (an untied head)
-            for block in cast(Iterable[Block], self.blocks):
-                for weight in block.residual_projections():
-                    nn.init.zeros_(weight)
-            nn.init.zeros_(self.lm_head.weight)
-        if self.bigram is not None:  # _init_weights drew it as any embedding: it starts at 0, as a no-op
-            nn.init.zeros_(self.bigram.table.weight)
 
     @classmethod
     def shallow(cls, config: GPTConfig) -> tuple[GPTConfig, dict[str, int]]:
@@ -353,11 +422,9 @@ class GPT(FamilyModel):
         return logits, loss
 
     def output_logits(self, hidden: Tensor) -> Tensor:
-        """h_L (B, n, d_model) -> logits (B, n, vocab_size) = Norm(h_L) W_headᵀ, then c · tanh(logits / c)
-        with logit_softcap c: what `forward` and decoding (`GPTDecoder`) both read."""
-        logits = self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
-        cap = self.config.logit_softcap
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        """h_L (B, n, d_model) -> logits (B, n, vocab_size) = Norm(h_L) W_headᵀ: what `forward` and decoding
+        (`GPTDecoder`) both read."""
+        return self.lm_head(self.norm(hidden))  # (B, n, vocab_size)
 
     def hidden_states(self, idx: Tensor, *, kv_caches: list[KVCache] | None = None,
                       attention_mask: Tensor | None = None) -> Tensor:
@@ -367,46 +434,34 @@ class GPT(FamilyModel):
 
     def _hidden_states(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
                        attention_mask: Tensor | None) -> Tensor:
-        n = idx.shape[1]
+        """h_0 = Dropout(E[idx] + P), then h_l = Block_l(h_{l-1}): idx (B, n) -> h_L (B, n, d_model)."""
         x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
-        if self.token_shift is not None or self.bigram is not None:
-            x = self._add_previous_token_terms(x, idx, offset, kv_caches, attention_mask)
-        rope: Rotation | None = self.rope
-        attn = cast(Block, self.blocks[0]).self_attn  # the mask's variants, the same in every block
-        keys = n if kv_caches is None else kv_caches[0].attended(n)  # a window's cache attends its last keys
-        if attention_mask is None:
-            positions = None
-            mask = AttentionMask.build(n, keys, is_causal=True, cached=keys - n, window=attn.window,
-                                       alibi=attn.alibi_slopes, device=idx.device)
-        else:
-            positions, mask = padded_positions_and_mask(attention_mask, offset, keys=keys, window=attn.window,
-                                                        alibi=attn.alibi_slopes)
-            rope = None if self.rope is None else self.rope.at(positions)
+        positions, mask, rope = self._positions_and_mask(idx, offset, kv_caches, attention_mask)
         if self.position is not None:
             x = self.position(x, offset=offset, positions=positions)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        x0 = x = self.dropout(x)
-        first_values = FirstLayerValues() if self.config.value_residual else None
+        x = self.dropout(x)
         for layer, block in enumerate(self.blocks):
-            cache = None if kv_caches is None else kv_caches[layer]
-            x = block(x, mask, rope=rope, kv_cache=cache, x0=x0, first_values=first_values)
+            x = block(x, mask, rope=rope, kv_cache=None if kv_caches is None else kv_caches[layer])
         return x
 
-    def _add_previous_token_terms(self, x: Tensor, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
-                                  attention_mask: Tensor | None) -> Tensor:
-        """x = E[idx] (B, n, d_model) + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1} · V + x_t], the terms that are on.
-        With caches, the predecessor of idx[:, 0] is the first cache's newest token, and idx's last token
-        is kept there for the next call."""
-        last = kv_caches[0].last_tokens() if kv_caches is not None and offset > 0 else None
-        previous, has = previous_tokens(idx, offset, last, attention_mask)  # (B, n) each
-        if kv_caches is not None:
-            kv_caches[0].set_last_tokens(idx[:, -1])
-        if self.token_shift is not None:
-            x = x + self.token_shift(self.token_embedding(previous), has)
-        if self.bigram is not None:
-            x = x + self.bigram(idx, previous, has)
-        return x
+    def _positions_and_mask(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
+                            attention_mask: Tensor | None) -> tuple[Tensor | None, AttentionMask, Rotation | None]:
+        """The batch's causal mask, built once for all the blocks; for padded rows (attention_mask) each row's
+        positions (B, n), and rope at them."""
+        n = idx.shape[1]
+        keys = n if kv_caches is None else kv_caches[0].attended(n)  # a window's cache attends its last keys
+        if attention_mask is None:
+            return None, self._causal_mask(n, keys, idx.device), self.rope
+        positions, mask = self._padded_mask(attention_mask, offset, keys)
+        return positions, mask, None if self.rope is None else self.rope.at(positions)
+
+    def _causal_mask(self, n: int, keys: int, device: torch.device) -> AttentionMask:
+        """n queries, the last of `keys` positions, each seeing itself and the keys before it."""
+        return AttentionMask.causal(n, keys, device=device)
+
+    def _padded_mask(self, real: Tensor, offset: int, keys: int) -> tuple[Tensor, AttentionMask]:
+        """`_causal_mask` for padded rows, real (B, offset + n), True = real token, and their positions (B, n)."""
+        return padded_positions_and_mask(real, offset, keys=keys)
 
     def _check_inputs(self, idx: Tensor, targets: Tensor | None, kv_caches: list[KVCache] | None,
                       attention_mask: Tensor | None = None) -> int:
@@ -477,3 +532,79 @@ class GPT(FamilyModel):
             return generate_padded(self.decoder(), prompts, pads, max_new_tokens, eos_id=eos_id, stop=stops,
                                    **options)
 
+
+class VariantGPT(GPT):
+    """A GPT with the variants its config turns on (the module docstring's table), of `VariantBlock`s;
+    `GPT(config)` builds one when any is on. Around the blocks it holds the terms the variants add to h_0
+    (`token_shift`, `bigram`, `embed_norm`, each None where off), soft-caps the logits (logit_softcap),
+    starts at zero (zero_init), and hands every block the embedding output x0 and the first block's values v_1.
+    """
+
+    block_class = VariantBlock
+
+    def _build_embeddings(self, config: GPTConfig) -> None:
+        """E, σ(g) and B (previous-token terms), P and embed_norm's RMSNorm, in the order checkpoints hold them."""
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.token_shift = TokenShift(config.d_model) if config.token_shift else None
+        self.bigram = BigramEmbedding(config.vocab_size, config.d_model) if config.bigram_embedding else None
+        self.position = self._make_position_encoding(config)
+        self.embed_norm = (RMSNorm(config.d_model, eps=config.norm_eps, validate_args=False)
+                           if config.embed_norm else None)
+
+    def _init_parameters(self) -> None:
+        super()._init_parameters()
+        if self.config.zero_init:  # every residual branch adds 0 at first, and every logit is 0 (an untied head)
+            for block in cast(Iterable[Block], self.blocks):
+                for weight in block.residual_projections():
+                    nn.init.zeros_(weight)
+            nn.init.zeros_(self.lm_head.weight)
+        if self.bigram is not None:  # _init_weights drew it as any embedding: it starts at 0, as a no-op
+            nn.init.zeros_(self.bigram.table.weight)
+
+    def _causal_mask(self, n: int, keys: int, device: torch.device) -> AttentionMask:
+        return self._blocks_attention().causal_mask(n, keys, device=device)  # the window and ALiBi of every block
+
+    def _padded_mask(self, real: Tensor, offset: int, keys: int) -> tuple[Tensor, AttentionMask]:
+        return self._blocks_attention().padded_mask(real, offset, keys=keys)
+
+    def _blocks_attention(self) -> VariantAttention:
+        return cast(VariantAttention, cast(Block, self.blocks[0]).self_attn)
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """`GPT.output_logits`, then c · tanh(logits / c) with logit_softcap c."""
+        logits = super().output_logits(hidden)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def _hidden_states(self, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
+                       attention_mask: Tensor | None) -> Tensor:
+        """x0 = h_0 = Dropout(Norm(E[idx] + the previous-token terms + P)), then each block given x0 and v_1."""
+        x = _checks.lookup_token_ids("idx", idx, self.config.vocab_size, self.token_embedding)  # (B, n, d_model)
+        if self.token_shift is not None or self.bigram is not None:
+            x = self._add_previous_token_terms(x, idx, offset, kv_caches, attention_mask)
+        positions, mask, rope = self._positions_and_mask(idx, offset, kv_caches, attention_mask)
+        if self.position is not None:
+            x = self.position(x, offset=offset, positions=positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x0 = x = self.dropout(x)
+        v1 = None
+        for layer, block in enumerate(self.blocks):
+            cache = None if kv_caches is None else kv_caches[layer]
+            x, v1 = block(x, mask, rope=rope, kv_cache=cache, x0=x0, v1=v1)
+        return x
+
+    def _add_previous_token_terms(self, x: Tensor, idx: Tensor, offset: int, kv_caches: list[KVCache] | None,
+                                  attention_mask: Tensor | None) -> Tensor:
+        """x = E[idx] (B, n, d_model) + σ(g) ⊙ E[x_{t−1}] + B[x_{t−1} · V + x_t], the terms that are on.
+        With caches, the predecessor of idx[:, 0] is the first cache's newest token, and idx's last token
+        is kept there for the next call."""
+        last = kv_caches[0].last_tokens() if kv_caches is not None and offset > 0 else None
+        previous, has = previous_tokens(idx, offset, last, attention_mask)  # (B, n) each
+        if kv_caches is not None:
+            kv_caches[0].set_last_tokens(idx[:, -1])
+        if self.token_shift is not None:
+            x = x + self.token_shift(self.token_embedding(previous), has)
+        if self.bigram is not None:
+            x = x + self.bigram(idx, previous, has)
+        return x

@@ -20,7 +20,7 @@ Decoding (section 6.1) binds the encoder memory of the sources to the decoder (`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -247,9 +247,11 @@ class Transformer(FamilyModel):
         return tokens
 
     def translate(self, texts: Sequence[str], *, beam_size: int = 1, length_penalty: float = 0.6,
-                  batch_size: int = 64, tokenizer: Any = None) -> list[str]:
+                  batch_size: int = 64, tokenizer: Any = None,
+                  progress: Callable[[int], object] | None = None) -> list[str]:
         """Translate sentences with `tokenizer` (default: the checkpoint's), batching sources of
-        similar length together; the translations come back in the order of `texts`."""
+        similar length together; the translations come back in the order of `texts`. `progress` is told
+        the sentences of each batch once translated."""
         tokenizer = tokenizer or self.tokenizer
         if tokenizer is None:
             raise ValueError("translate needs a tokenizer: pass tokenizer=... or load the model with "
@@ -268,4 +270,6 @@ class Transformer(FamilyModel):
             for i, row in zip(chunk, self.generate(src.to(device), beam_size=beam_size,
                                                    length_penalty=length_penalty), strict=True):
                 translations[i] = tokenizer.decode(row[1:])
+            if progress is not None:
+                progress(len(chunk))
         return translations

@@ -14,6 +14,10 @@ Inside the layers the masks travel as one `AttentionMask` (see `masks`), combine
 Grouped-query attention (Ainslie et al. 2023): keys and values may carry H_kv heads where H_kv divides
 the H query heads; query head h reads key/value head h // (H / H_kv).
 
+The plain `MultiHeadAttention` computes these equations and nothing else. The variants that follow are
+`VariantAttention`'s, each off by default, chosen once when the layer is built (a GPT's config builds one
+where any is on):
+
 QK-norm (Qwen3, OLMo 2; `qk_norm=True`): each head's query and key is RMS-normalised over d_k, with a
 learned weight per feature, before the rotary embedding: q_h = RMSNorm(x W_h^Q), k_h = RMSNorm(x W_h^K).
 
@@ -34,17 +38,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks
+from .masks import NO_MASK, AttentionMask, check_mask_tensor, check_masks, padded_positions
 from .normalization import RMSNorm
-from .positional import alibi_slopes
+from .positional import alibi_bias, alibi_slopes
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -301,75 +304,62 @@ class MultiHeadAttention(nn.Module):
     The h per-head projections are stored together as one `Linear` (a torch.nn.Linear) each: `W_q` (d_model -> h·d_k),
     `W_k` and `W_v` (d_model -> h_kv·d_k), `W_o` (h·d_k -> d_model), with d_k = d_model / h.
     n_kv_heads < n_heads gives grouped-query attention (n_kv_heads = 1: multi-query attention).
-    qk_norm adds `q_norm` and `k_norm` (RMSNorm over d_k, eps norm_eps, one weight shared by the heads, as
-    Qwen3's `self_attn.q_norm` / `k_norm`), applied to each head's query and key before rope.
-    softcap c bounds the scaled scores by c · tanh(s / c) (Gemma 2), on every path but sdpa.
-    alibi adds ALiBi's biases -m_h · (i - j) to the scores of self-attention: the slopes are the buffer
-    `alibi_slopes` (h,), not saved, which `mask_for` (or the model building the batch's mask) hands the mask.
-    window w lets query i see only keys j > i - w (with is_causal, the last w positions), in the mask
-    `mask_for` builds (or the model's); a KV cache handed to it must have the same window or none.
 
-    `forward` checks its arguments and combines the masks, unless it is handed the batch's
-    `AttentionMask` (as the layers do), then takes one of three paths: `attend` (self-attention, or
-    cross-attention over a memory projected on the spot), `attend_cached` (decoding: new positions
-    join a growing KV cache) or `attend_memory` (cross-attention over a memory projected once, a
-    static cache).
+    `forward` checks its arguments and combines the masks (`mask_for`), unless it is handed the batch's
+    `AttentionMask` (as the layers do), then takes one of two paths: `attend` (self-attention, or
+    cross-attention over a memory projected on the spot; with a KV cache, the new positions join it) or
+    `attend_memory` (cross-attention over a memory projected once, a static cache).
+
+    This is the paper's attention. The variants of the module docstring are `VariantAttention`'s:
+    `MultiHeadAttention(...)` given any of their keywords (qk_norm, norm_eps, softcap, alibi, window)
+    builds one, as `pathlib.Path(...)` builds a `PosixPath`.
 
     validate_args=False (as in torch.distributions) skips the checks of the arguments: for a module
     built from a config that checked them already (a model's), or by a layer that did.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
+        chosen = VariantAttention if cls is MultiHeadAttention and kwargs.keys() & VARIANT_OPTIONS else cls
+        return super().__new__(chosen)
+
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
-                 softcap: float | None = None, alibi: bool = False, window: int | None = None,
-                 validate_args: bool = True):
+                 dropout: float = 0.0, backend: str = "auto", validate_args: bool = True):
         super().__init__()
         if validate_args:
-            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend, softcap)
-            if window is not None:
-                _checks.check_positive_int("window", window)
-            if qk_norm:
-                _checks.check_positive_number("norm_eps", norm_eps)
+            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
-        self.dropout, self.backend, self.softcap, self.window = dropout, backend, softcap, window
+        self.dropout, self.backend = dropout, backend
         self.W_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.W_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.W_o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
-        self.alibi_slopes: Tensor | None
-        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
 
-    def split_heads(self, x: Tensor, n_heads: int, norm: nn.Module | None = None) -> Tensor:
-        """(B, n, h·d_k) -> (B, h, n, d_k), each head normalised by `norm` over d_k when given."""
+    def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
+        """(B, n, h·d_k) -> (B, h, n, d_k)."""
         batch, length, _ = x.shape
-        heads = x.view(batch, length, n_heads, self.head_dim)  # (B, n, h, d_k)
-        if norm is not None:
-            # Back to the projection's dtype: under bf16 autocast the norm's float32 weight would promote the
-            # queries and keys to float32, and attention would then run on float32 scores beside bf16 values.
-            heads = norm(heads).to(heads.dtype)
-        return heads.transpose(1, 2)
+        return x.view(batch, length, n_heads, self.head_dim).transpose(1, 2)
 
     def project_q(self, query: Tensor) -> Tensor:
-        """Q W^Q split into heads (QK-normed where qk_norm): (B, n, d_model) -> (B, h, n, d_k)."""
-        return self.split_heads(self.W_q(query), self.n_heads, self.q_norm)
+        """Q W^Q split into heads: (B, n, d_model) -> (B, h, n, d_k)."""
+        return self.split_heads(self.W_q(query), self.n_heads)
 
-    def project_kv(self, key: Tensor, value: Tensor,
-                   value_mix: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """K W^K (QK-normed where qk_norm) and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k)
-        each; the values passed through value_mix where given."""
-        k = self.split_heads(self.W_k(key), self.n_kv_heads, self.k_norm)
-        v = self.split_heads(self.W_v(value), self.n_kv_heads)
-        return k, v if value_mix is None else value_mix(v)
+    def project_k(self, key: Tensor) -> Tensor:
+        """K W^K split into heads: (B, m, d_model) -> (B, h_kv, m, d_k)."""
+        return self.split_heads(self.W_k(key), self.n_kv_heads)
+
+    def project_v(self, value: Tensor) -> Tensor:
+        """V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k)."""
+        return self.split_heads(self.W_v(value), self.n_kv_heads)
+
+    def project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """K W^K and V W^V split into heads: (B, m, d_model) -> (B, h_kv, m, d_k) each."""
+        return self.project_k(key), self.project_v(value)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
-                key_padding_mask: Tensor | None = None, is_causal: bool = False,
-                need_weights: bool = False, rope: Rotation | None = None,
-                kv_cache: KVCache | None = None,
-                value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+                rope: Rotation | None = None, kv_cache: KVCache | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """query (B, n, d_model), key and value (B, m, d_model) -> (B, n, d_model).
 
         mask: boolean (True = may attend) or additive float, of shape (n, m), (B, n, m) or
@@ -382,61 +372,28 @@ class MultiHeadAttention(nn.Module):
         (cross-attention, a static cache, filled from key and value on the first call); see
         `KVCache`. With a cache holding P positions, query i sits at position P + i and sees every
         key up to it when is_causal.
-        value_mix: applied to the values V W^V (B, h_kv, m, d_k) of self-attention once projected, before
-        they are cached (GPT's value residual, `nn.shortcuts`).
         """
         if not isinstance(mask, AttentionMask):
             mask = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
                                  is_causal=is_causal, rope=rope, kv_cache=kv_cache)
-        if kv_cache is None:
-            return self.attend(query, key, value, mask, rope=rope, need_weights=need_weights, value_mix=value_mix)
-        if kv_cache.static:
+        if kv_cache is not None and kv_cache.static:
             if kv_cache.length == 0:
                 kv_cache.append(*self.project_kv(key, value))
             return self.attend_memory(query, kv_cache, mask, need_weights=need_weights)
-        return self.attend_cached(query, key, value, mask, kv_cache, rope=rope, need_weights=need_weights,
-                                  value_mix=value_mix)
+        return self.attend(self.project_q(query), self.project_k(key), self.project_v(value), mask, rope=rope,
+                           kv_cache=kv_cache, need_weights=need_weights)
 
-    def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
-                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
-                 rope: Rotation | None = None, kv_cache: KVCache | None = None) -> AttentionMask:
-        """Validate `forward`'s arguments (shapes, dtypes, devices: nothing is read from a tensor)
-        and combine the masks into the `AttentionMask` the three paths take."""
-        self._check_inputs(query, key, value, rope, kv_cache)
-        cached, m = 0, key.shape[1]  # m: the keys attended, cached ones included
-        if kv_cache is not None and kv_cache.static:
-            m = kv_cache.length or m  # a filled memory cache is used as it is
-        elif kv_cache is not None:
-            m = kv_cache.attended(m)  # a window's cache attends the last of its positions only
-            cached = m - key.shape[1]
-        batch, n = query.shape[:2]
-        attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
-                                key_padding_mask=key_padding_mask)
-        return AttentionMask.build(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
-                                   attn_mask=attn_mask, window=self.window, alibi=self.alibi_slopes,
-                                   device=query.device)
-
-    def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = NO_MASK, *,
-               rope: Rotation | None = None, need_weights: bool = False,
-               value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """No cache: query (B, n, d_model) attends key/value (B, m, d_model), projected here."""
-        q = self.project_q(query)  # (B, h, n, d_k)
-        k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, m, d_k)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = NO_MASK, *, rope: Rotation | None = None,
+               kv_cache: KVCache | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """The heads q (B, h, n, d_k), k and v (B, h_kv, n', d_k), projected from new positions P .. P+n'-1
+        (P = the positions in kv_cache, or 0) -> (B, n, d_model). With a cache, k and v join it, and the
+        queries attend to the m = `kv_cache.attended(n')` keys it returns: all P + n', or a window's last;
+        `mask` is built for n queries over those m keys (`AttentionMask.build` with cached=m - n)."""
+        offset = 0 if kv_cache is None else kv_cache.length
         if rope is not None:
-            q, k = rope(q), rope(k)
-        return self._attend(q, k, v, mask, need_weights)
-
-    def attend_cached(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask, cache: KVCache, *,
-                      rope: Rotation | None = None, need_weights: bool = False,
-                      value_mix: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Decoding: the n new positions P .. P+n-1 (after the P in `cache`) join the cache and attend
-        to the m = `cache.attended(n)` keys it returns: all P + n, or a window's last. `mask` is built for
-        n queries over those m keys (`AttentionMask.build` with cached=m - n)."""
-        q = self.project_q(query)  # (B, h, n, d_k)
-        k, v = self.project_kv(key, value, value_mix)  # (B, h_kv, n, d_k)
-        if rope is not None:
-            q, k = rope(q, offset=cache.length), rope(k, offset=cache.length)
-        k, v = cache.append(k, v)  # (B, h_kv, m, d_k)
+            q, k = rope(q, offset=offset), rope(k, offset=offset)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, h_kv, m, d_k)
         return self._attend(q, k, v, mask, need_weights)
 
     def attend_memory(self, query: Tensor, memory: KVCache, mask: AttentionMask = NO_MASK, *,
@@ -450,13 +407,38 @@ class MultiHeadAttention(nn.Module):
         """Attention per head, then Concat(head_1, ..., head_h) W^O: (B, h, n, d_k) -> (B, n, d_model)."""
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
-            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None, softcap=self.softcap)
-        else:
-            out = _attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None,
-                             softcap=self.softcap)
-        batch, _, n, _ = q.shape
-        out = self.W_o(out.transpose(1, 2).reshape(batch, n, -1))  # (B, n, d_model)
-        return (out, weights) if need_weights else out
+            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None)
+            return self.merge_heads(out), weights
+        return self.merge_heads(_attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None))
+
+    def merge_heads(self, heads: Tensor) -> Tensor:
+        """Concat(head_1, ..., head_h) W^O: (B, h, n, d_k) -> (B, n, d_model)."""
+        batch, _, n, _ = heads.shape
+        return self.W_o(heads.transpose(1, 2).reshape(batch, n, -1))
+
+    # ------------------------------------------------------------------ masks
+
+    def mask_for(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, *,
+                 key_padding_mask: Tensor | None = None, is_causal: bool = False,
+                 rope: Rotation | None = None, kv_cache: KVCache | None = None) -> AttentionMask:
+        """Validate `forward`'s arguments (shapes, dtypes, devices: nothing is read from a tensor)
+        and combine the masks into the `AttentionMask` the paths take."""
+        self._check_inputs(query, key, value, rope, kv_cache)
+        cached, m = 0, key.shape[1]  # m: the keys attended, cached ones included
+        if kv_cache is not None and kv_cache.static:
+            m = kv_cache.length or m  # a filled memory cache is used as it is
+        elif kv_cache is not None:
+            m = kv_cache.attended(m)  # a window's cache attends the last of its positions only
+            cached = m - key.shape[1]
+        batch, n = query.shape[:2]
+        attn_mask = check_masks(batch, self.n_heads, n, m, query.device, attn_mask=mask,
+                                key_padding_mask=key_padding_mask)
+        return self.combine_masks(n, m, is_causal=is_causal, cached=cached, key_padding_mask=key_padding_mask,
+                                  attn_mask=attn_mask, device=query.device)
+
+    def combine_masks(self, n: int, m: int, **constraints: Any) -> AttentionMask:
+        """The `AttentionMask` of n queries over m keys under `constraints` (`AttentionMask.build`'s)."""
+        return AttentionMask.build(n, m, **constraints)
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, rope: Rotation | None,
                       kv_cache: KVCache | None) -> None:
@@ -480,12 +462,17 @@ class MultiHeadAttention(nn.Module):
                              f"{tuple(query.shape)} and key {tuple(key.shape)}")
         if kv_cache is not None and not (kv_cache.static and kv_cache.length):
             kv_cache.check_fits("k", (key.shape[0], self.n_kv_heads, key.shape[1], self.head_dim))
-        if kv_cache is not None and kv_cache.window not in (None, self.window):
-            raise ValueError(f"kv_cache keeps a window of {kv_cache.window} positions but this attention's window "
-                             f"is {self.window}: build the cache with window={self.window}")
+        if kv_cache is not None:
+            self._check_cache_window(kv_cache)
         if rope is not None:
             check_rope(rope, self.head_dim, 0 if kv_cache is None or kv_cache.static else kv_cache.length,
                        query.shape[1])
+
+    def _check_cache_window(self, kv_cache: KVCache) -> None:
+        """A cache that keeps only a window's positions cannot serve an attention that sees them all."""
+        if kv_cache.window is not None:
+            raise ValueError(f"kv_cache keeps a window of {kv_cache.window} positions but this attention sees "
+                             "every position: build the cache without a window")
 
 
 def check_rope(rope: Rotation, head_dim: int, offset: int, length: int) -> None:
@@ -494,3 +481,115 @@ def check_rope(rope: Rotation, head_dim: int, offset: int, length: int) -> None:
         raise ValueError(f"rope has head_dim = {rope.head_dim} but the attention heads have "
                          f"head_dim = {head_dim}")
     _checks.check_positions("the rotated positions", offset, length, rope.max_len)
+
+
+# ----------------------------------------------------------------------------- the variants
+
+# The keywords that make `MultiHeadAttention(...)` a `VariantAttention`.
+VARIANT_OPTIONS = frozenset({"qk_norm", "norm_eps", "softcap", "alibi", "window"})
+
+
+class VariantAttention(MultiHeadAttention):
+    """`MultiHeadAttention` with the variants of the module docstring, each off by default:
+
+        qk_norm     `q_norm` and `k_norm`, RMSNorm over d_k (eps norm_eps, one weight shared by the heads, as
+                    Qwen3's `self_attn.q_norm` / `k_norm`), applied to each head's query and key before rope
+        softcap c   the scaled scores bounded by c · tanh(s / c) (Gemma 2), on every path but sdpa
+        alibi       ALiBi's biases -m_h · (i - j) of self-attention: the slopes are the buffer `alibi_slopes`
+                    (h,), not saved
+        window w    query i sees only keys j > i - w (with is_causal, the last w positions); a KV cache handed
+                    to it must keep the same window or none
+
+    The slopes and the window enter the masks this attention builds (`mask_for`; `causal_mask` and
+    `padded_mask`, which a `models.gpt.VariantGPT` calls once per batch for all its blocks). `forward` also
+    takes `values`: self-attention's values already projected, which the value residual mixes
+    (`models.gpt.VariantBlock`).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, backend: str = "auto", qk_norm: bool = False, norm_eps: float = 1e-6,
+                 softcap: float | None = None, alibi: bool = False, window: int | None = None,
+                 validate_args: bool = True):
+        if validate_args:
+            check_attention_args(d_model, n_heads, n_kv_heads, dropout, backend, softcap)
+            if window is not None:
+                _checks.check_positive_int("window", window)
+            if qk_norm:
+                _checks.check_positive_number("norm_eps", norm_eps)
+        super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, bias=bias, dropout=dropout, backend=backend,
+                         validate_args=False)
+        self.softcap, self.window = softcap, window
+        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps, validate_args=False) if qk_norm else None
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
+
+    def split_heads(self, x: Tensor, n_heads: int, norm: nn.Module | None = None) -> Tensor:
+        """(B, n, h·d_k) -> (B, h, n, d_k), each head normalised by `norm` over d_k when given."""
+        if norm is None:
+            return super().split_heads(x, n_heads)
+        batch, length, _ = x.shape
+        heads = x.view(batch, length, n_heads, self.head_dim)  # (B, n, h, d_k)
+        # Back to the projection's dtype: under bf16 autocast the norm's float32 weight would promote the
+        # queries and keys to float32, and attention would then run on float32 scores beside bf16 values.
+        return norm(heads).to(heads.dtype).transpose(1, 2)
+
+    def project_q(self, query: Tensor) -> Tensor:
+        """Q W^Q split into heads, QK-normed where qk_norm: (B, n, d_model) -> (B, h, n, d_k)."""
+        return self.split_heads(self.W_q(query), self.n_heads, self.q_norm)
+
+    def project_k(self, key: Tensor) -> Tensor:
+        """K W^K split into heads, QK-normed where qk_norm: (B, m, d_model) -> (B, h_kv, m, d_k)."""
+        return self.split_heads(self.W_k(key), self.n_kv_heads, self.k_norm)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | AttentionMask | None = None, *,
+                key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+                rope: Rotation | None = None, kv_cache: KVCache | None = None,
+                values: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """`MultiHeadAttention.forward`; values (B, h_kv, m, d_k): self-attention's values already projected,
+        attended in place of value W^V (the value residual's mix of this layer's and the first layer's)."""
+        if values is None:
+            return super().forward(query, key, value, mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                                   need_weights=need_weights, rope=rope, kv_cache=kv_cache)
+        if not isinstance(mask, AttentionMask):
+            mask = self.mask_for(query, key, value, mask, key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, rope=rope, kv_cache=kv_cache)
+        return self.attend(self.project_q(query), self.project_k(key), values, mask, rope=rope, kv_cache=kv_cache,
+                           need_weights=need_weights)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+                need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """`MultiHeadAttention._attend` with the scores soft-capped where softcap."""
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = _math_attention(q, k, v, mask, dropout_p=dropout_p, scale=None, softcap=self.softcap)
+            return self.merge_heads(out), weights
+        return self.merge_heads(_attention(q, k, v, mask, backend=self.backend, dropout_p=dropout_p, scale=None,
+                                           softcap=self.softcap))
+
+    def combine_masks(self, n: int, m: int, **constraints: Any) -> AttentionMask:
+        """`MultiHeadAttention.combine_masks` with this attention's window and ALiBi slopes."""
+        return AttentionMask.build(n, m, window=self.window, alibi=self.alibi_slopes, **constraints)
+
+    def causal_mask(self, n: int, m: int, *, device: torch.device | None = None) -> AttentionMask:
+        """`AttentionMask.causal` (n queries at the last n of m positions, each seeing itself and the keys
+        before it) with this attention's window and ALiBi slopes."""
+        return self.combine_masks(n, m, is_causal=True, cached=m - n, device=device)
+
+    def padded_mask(self, real: Tensor, cached: int = 0, *, keys: int | None = None) -> tuple[Tensor, AttentionMask]:
+        """`masks.padded_positions_and_mask` (real (B, P + n), True = real token -> each row's positions (B, n)
+        and its causal mask) with the window and ALiBi at each row's own positions: query i sees key j if
+        j > i - window; the bias is -m_h · (i - j)."""
+        positions, key_positions, allowed = padded_positions(real, cached, keys=keys)  # (B, n), (B, m), (B, 1, n, m)
+        if self.window is not None:  # exact after padded_positions lets a query see itself: itself is in its window
+            allowed = allowed & (key_positions[:, None, None, :] > positions[:, None, :, None] - self.window)
+        n, m = allowed.shape[-2:]
+        if self.alibi_slopes is None:
+            return positions, AttentionMask.build(n, m, attn_mask=allowed, device=real.device)
+        bias = alibi_bias(self.alibi_slopes, positions, key_positions).masked_fill(~allowed, float("-inf"))
+        return positions, AttentionMask.build(n, m, attn_mask=bias, device=real.device)  # bias: (B, h, n, m)
+
+    def _check_cache_window(self, kv_cache: KVCache) -> None:
+        if kv_cache.window not in (None, self.window):
+            raise ValueError(f"kv_cache keeps a window of {kv_cache.window} positions but this attention's window "
+                             f"is {self.window}: build the cache with window={self.window}")

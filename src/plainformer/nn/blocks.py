@@ -240,13 +240,22 @@ class DecoderCache:
     sources: Tensor | None = None
     rows_per_source: int = 0
 
-    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None, whole_groups: int | None = None
+                ) -> None:
         """Keep batch rows `batch_indices` in both caches (beam search moves hypotheses around).
 
         group_size g: the caller promises that each index stays in its block of g rows (beam search:
         the beams of one sentence). When those blocks lie within one source's rows, the memory cache
         is kept without reading the indices, which would cost a host sync per layer and step.
+        whole_groups g: the indices keep whole blocks of g rows, in order (beam search leaving out the
+        sentences done): each row keeps its source's memory, so the rows per source stay as they were.
         """
+        if whole_groups is not None:
+            self.self_attn.reorder(batch_indices)
+            self.cross_attn.reorder(batch_indices)
+            if self.sources is not None:
+                self.sources = self.sources[batch_indices]
+            return
         self.self_attn.reorder(batch_indices)
         if group_size is not None and self.rows_per_source and self.rows_per_source % group_size == 0:
             return

@@ -110,13 +110,23 @@ class KVCache:
         """Keep ids (B,) as the tokens of the newest positions."""
         self._last.copy_(ids)
 
-    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None) -> None:
+    def reorder(self, batch_indices: Tensor, *, group_size: int | None = None, whole_groups: int | None = None
+                ) -> None:
         """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
 
-        group_size (see `DecoderCache.reorder`) changes nothing here: every row is its own.
+        group_size and whole_groups (see `DecoderCache.reorder`) change nothing here: every row is its own.
+        Only the held positions are moved: a beam's step costs what it has decoded, not the capacity.
         """
-        self._k = self._k.index_select(0, batch_indices)
-        self._v = self._v.index_select(0, batch_indices)
+        held = self.held
+        if len(batch_indices) == self._k.shape[0]:  # as many rows: in place
+            self._k[:, :, :held] = self._k[:, :, :held].index_select(0, batch_indices)
+            self._v[:, :, :held] = self._v[:, :, :held].index_select(0, batch_indices)
+        else:
+            k, v = self._k, self._v
+            self._k = k.new_empty((len(batch_indices), *k.shape[1:]))
+            self._v = v.new_empty((len(batch_indices), *v.shape[1:]))
+            self._k[:, :, :held] = k[:, :, :held].index_select(0, batch_indices)
+            self._v[:, :, :held] = v[:, :, :held].index_select(0, batch_indices)
         self._last = self._last.index_select(0, batch_indices)
 
 

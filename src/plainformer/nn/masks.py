@@ -107,6 +107,16 @@ class AttentionMask:
             dense = and_masks(dense, ~causal_mask(n, m, offset=cached - window, device=device))  # j > i + P - w
         return cls(is_causal, key_padding_mask, attn_mask, dense, cached, window, alibi)
 
+    @classmethod
+    def causal(cls, n: int, m: int, *, device: torch.device | None = None) -> AttentionMask:
+        """n queries at the last n of m positions, query i seeing key j iff j <= i + m - n: a decoder's
+        self-attention over the m - n positions cached before the queries (`build` with is_causal and
+        cached = m - n)."""
+        cached = m - n
+        if cached >= m - 1:  # one query, the newest: it sees every key
+            return cls(offset=cached)
+        return cls(True, dense=causal_mask(n, m, offset=cached, device=device), offset=cached)
+
     @property
     def only_causal(self) -> bool:
         """Nothing but (at most) the top-left causal mask: backends need no mask tensor."""
@@ -187,17 +197,15 @@ def check_mask_tensor(name: str, mask: Tensor, scores_shape: tuple[int, ...], de
                          f"of shape {scores_shape}")
 
 
-def padded_positions_and_mask(real: Tensor, cached: int = 0, *, keys: int | None = None, window: int | None = None,
-                              alibi: Tensor | None = None) -> tuple[Tensor, AttentionMask]:
+def padded_positions(real: Tensor, cached: int = 0, *, keys: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A batch of padded rows: real (B, P + n) boolean, True = real token, over the P = `cached` positions
-    before the n queries and the queries -> (positions (B, n), the causal `AttentionMask` over the last
-    `keys` of them (default all P + n: a cache that keeps only a window's keys attends fewer)).
+    before the n queries and the queries -> (the queries' positions (B, n), the positions of the last `keys`
+    of them (B, m) (default all P + n: a cache that keeps only a window's keys attends fewer), the keys
+    each query may see (B, 1, n, m)).
 
     A query's position counts the real tokens before it in its row, so each row is positioned as if
     alone. No query sees a padding key, except that a padding query sees itself: a row of scores with
     no key would be NaN, and its NaN values would reach the real queries of the next layer as 0 · NaN.
-    window and alibi (the slopes (h,)) take each row's own positions: query i sees key j if j > i - window;
-    the bias is -m_h · (i - j).
     """
     n = real.shape[1] - cached
     m = real.shape[1] if keys is None else keys
@@ -205,10 +213,12 @@ def padded_positions_and_mask(real: Tensor, cached: int = 0, *, keys: int | None
     positions = key_positions[:, m - n:]  # (B, n)
     itself = torch.arange(m, device=real.device)[None, :] == torch.arange(m - n, m, device=real.device)[:, None]
     allowed = causal_mask(n, m, offset=m - n, device=real.device) & real[:, None, -m:]  # (B, n, m)
-    if window is not None:
-        allowed &= key_positions[:, None, :] > positions[:, :, None] - window
-    allowed = (allowed | itself).unsqueeze(1)
-    if alibi is None:
-        return positions, AttentionMask.build(n, m, attn_mask=allowed, device=real.device)  # (B, 1, n, m)
-    bias = alibi_bias(alibi, positions, key_positions).masked_fill(~allowed, float("-inf"))  # (B, h, n, m)
-    return positions, AttentionMask.build(n, m, attn_mask=bias, device=real.device)
+    return positions, key_positions, (allowed | itself).unsqueeze(1)
+
+
+def padded_positions_and_mask(real: Tensor, cached: int = 0, *,
+                              keys: int | None = None) -> tuple[Tensor, AttentionMask]:
+    """`padded_positions`' positions (B, n) and its keys as the batch's `AttentionMask` (B, 1, n, m)."""
+    positions, _, allowed = padded_positions(real, cached, keys=keys)
+    n, m = allowed.shape[-2:]
+    return positions, AttentionMask.build(n, m, attn_mask=allowed, device=real.device)

@@ -10,13 +10,12 @@ Embedding shortcut ("x0"), at the input of every block l:
 
     x ← a_l · x + b_l · x0                   x0: the embedding output (B, n, d_model); a_l = 1, b_l = 0 at start
 
+A `models.gpt.VariantBlock` applies both: its GPT hands every block x0 and the first block's values v_1.
 The scalars are 1-element vectors, not 0-d tensors: FSDP2 shards every parameter along its first axis.
 They are cast to the dtype of what they scale, so that a float32 scalar leaves a bfloat16 tensor bfloat16.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -33,29 +32,6 @@ class ValueResidual(nn.Module):
         """v, v1: (B, H_kv, n, d_k) -> the same shape."""
         lam = self.lam.to(v.dtype)
         return lam * v + (1 - lam) * v1
-
-
-class FirstLayerValues:
-    """The first layer's values v_1 (B, H_kv, n, d_k) of one forward pass, handed to the layers after it:
-    the model makes one per pass, and each layer's attention takes `value_mix(residual)` as its value hook."""
-
-    def __init__(self) -> None:
-        self.v1: Tensor | None = None
-
-    def value_mix(self, residual: ValueResidual | None) -> Callable[[Tensor], Tensor]:
-        """The first layer's hook (residual None): keep its values as v_1, unchanged. A later layer's: its
-        values mixed with v_1 by its `residual`."""
-        if residual is None:
-            return self._keep
-        return lambda v: residual(v, self._first())
-
-    def _keep(self, v: Tensor) -> Tensor:
-        self.v1 = v
-        return v
-
-    def _first(self) -> Tensor:
-        assert self.v1 is not None, "the first layer runs before the layers that read its values"
-        return self.v1
 
 
 class EmbeddingShortcut(nn.Module):

@@ -6,6 +6,9 @@ pooled as the server was told (`--pooling`), L2-normalised too:
     mean:  u = (1/n) Σ_i h_i               last:  u = h_n   (what the last token has seen: all of them)
     embedding = u / ‖u‖₂
 
+A request's `dimensions` k keeps the first k components and makes a unit vector of them again, as OpenAI's
+shortened embeddings are, so that their dot products are cosines still: e[:k] / ‖e[:k]‖₂ (`shortened`).
+
 A text longer than a BERT's max_len is truncated as `plainformer embed` truncates it; a list of token ids
 longer than it, or any input longer than a GPT's context, is refused with a 400 naming `input`.
 """
@@ -26,6 +29,11 @@ from ..models.gpt import GPT
 
 POOLINGS = ("mean", "last")
 BATCH_SIZE = 32  # `plainformer embed`'s default --batch-size
+
+
+def shortened(vectors: Tensor, dimensions: int) -> Tensor:
+    """Unit vectors (N, d) -> their first `dimensions` components, each row divided by its L2 norm: (N, dimensions)."""
+    return F.normalize(vectors[:, :dimensions], dim=1)
 
 
 class Embedder(Protocol):

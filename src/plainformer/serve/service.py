@@ -28,7 +28,7 @@ from ..generation.stopping import StopStrings
 from ..memory import MemoryBudgetError, check_memory
 from ..models.gpt import GPT
 from .choices import Choice
-from .embeddings import Embedder
+from .embeddings import Embedder, shortened
 from .protocol import SHUTTING_DOWN, APIError, Decoding, EmbeddingRequest, TokenizeRequest
 
 RETRY_AFTER_S = 1
@@ -157,13 +157,13 @@ class Service:
                 raise APIError(f"{param} is {len(x)} tokens, more than the {embedder.max_len} this model embeds",
                                param="input", code="context_length_exceeded")
             ids.append(x)
-        vectors = embedder.embed(ids).cpu().numpy()
+        vectors = embedder.embed(ids)
         if request.dimensions is not None:
             if request.dimensions > vectors.shape[1]:
                 raise APIError(f"dimensions must be at most {vectors.shape[1]}, this model's, got "
                                f"{request.dimensions}", param="dimensions")
-            vectors = vectors[:, :request.dimensions]
-        return vectors, sum(map(len, ids))
+            vectors = shortened(vectors, request.dimensions)
+        return vectors.cpu().numpy(), sum(map(len, ids))
 
     def max_new_tokens(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """The tokens a prompt may gain: max_tokens if it fits the context with the prompt (None: all that

@@ -23,7 +23,8 @@ Checkpoints keep the single-process format: the full state dicts gathered to ran
 writes them, plus every rank's RNG state.
 
 A rank that ends before the others (killed, crashed) fails their next collective; within
-`process_group` that failure becomes `RankLost`, one line naming the ranks whose processes ended.
+`process_group` that failure becomes `RankLost`, one line naming the ranks whose processes ended; a
+collective that waits past the timeout for a rank still alive becomes `CollectiveTimeout`, one line too.
 torchrun's agent stops the surviving ranks with SIGTERM, which there raises SystemExit, so that they
 leave through their `finally`s (the run lock's file removed, a half-written checkpoint cleaned up).
 """
@@ -60,6 +61,10 @@ TIMEOUT_ENV = "PLAINFORMER_DIST_TIMEOUT"  # seconds a collective may wait for a 
 #: Seconds a rank whose collective failed waits for the peer that caused it to be seen ended: its sockets
 #: close as the kernel tears it down, a moment before it becomes a zombie.
 LOST_RANK_PATIENCE_S = 2.0
+#: The same when gloo says the peer closed the connection: a rank that failed closes its sockets as it leaves
+#: the process group, then spends seconds in the interpreter's teardown (more on a loaded machine), and torchrun's
+#: agent gives a rank 30 s after SIGTERM before it kills it.
+CLOSED_BY_PEER_PATIENCE_S = 30.0
 
 
 class RankLost(UserError):
@@ -72,6 +77,17 @@ class RankLost(UserError):
         its = "its process has" if len(lost) == 1 else "their processes have"
         super().__init__(f"{ranks} of the {world_size} stopped ({its} ended), so rank {rank} stopped too")
         self.lost, self.reporting = list(lost), reporting
+
+
+class CollectiveTimeout(UserError):
+    """A collective waited past the process group's timeout for a peer that is alive (stuck, or far slower):
+    what `process_group` raises in place of gloo's error. Every rank it happens to says so (`reporting`)."""
+
+    reporting = True
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        super().__init__(f"rank {rank} of the {world_size} waited {timeout_s:g} s for the others in a collective and "
+                         f"stopped (one is stuck, or far slower); {TIMEOUT_ENV}=SECONDS waits longer")
 
 
 def _timeout_s() -> float:
@@ -119,6 +135,8 @@ def process_group(timeout_s: float | None = None) -> Iterator[Launch]:
                 yield launch
             except BaseException as error:
                 lost = _lost_ranks(processes, launch.rank, error)
+                if not lost and _says(error, "Timed out"):
+                    raise CollectiveTimeout(launch.rank, launch.world_size, timeout.total_seconds()) from error
                 if not lost:
                     raise
                 reporting = min(set(range(launch.world_size)) - set(lost)) == launch.rank
@@ -147,7 +165,8 @@ def _lost_ranks(processes: Sequence[tuple[str, int]], rank: int, error: BaseExce
         return []
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if _in_main_thread() else None
     here = _this_process()[0]
-    deadline = time.monotonic() + LOST_RANK_PATIENCE_S
+    closed = _says(error, "closed by peer") or _says(error, "reset by peer")
+    deadline = time.monotonic() + (CLOSED_BY_PEER_PATIENCE_S if closed else LOST_RANK_PATIENCE_S)
     while True:
         lost = [r for r, (machine, pid) in enumerate(processes)
                 if r != rank and machine == here and _has_ended(pid)]
@@ -157,6 +176,12 @@ def _lost_ranks(processes: Sequence[tuple[str, int]], rank: int, error: BaseExce
     if previous is not None and not lost:
         signal.signal(signal.SIGTERM, previous)
     return lost
+
+
+def _says(error: BaseException, words: str) -> bool:
+    """Whether `error` is a RuntimeError of torch.distributed's backend whose message holds `words` (gloo's
+    errors have no type of their own)."""
+    return isinstance(error, RuntimeError) and words in str(error)
 
 
 def _has_ended(pid: int) -> bool:

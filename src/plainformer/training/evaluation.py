@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,16 +25,20 @@ from ..nn.modes import eval_mode
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """What chooses a run's best/ in place of the lowest validation loss: `score(model) -> {metric: value}`,
-    run by the Trainer at each evaluation (the model in eval mode, without autograd; every value is logged as
-    val_<metric>), and `metric`, the one of them whose best value keeps best/: the highest where
-    `higher_is_better` (BLEU, accuracy), else the lowest."""
+    run by the Trainer at each evaluation (the model in eval mode, without autograd, every rank alike; every
+    value is logged as val_<metric>), and `metric`, the one of them whose best value keeps best/: the highest
+    where `higher_is_better` (BLEU, accuracy), else the lowest. A "loss" among the scores, computed in the same
+    pass over the validation data, is the run's validation loss; without one the Trainer computes its own."""
 
     score: Callable[[nn.Module], Mapping[str, float]]
     metric: str
     higher_is_better: bool = True
 
     def improves(self, value: float, best: float | None) -> bool:
-        return best is None or (value > best if self.higher_is_better else value < best)
+        """Whether `value` is better than `best` (None: nothing yet); a NaN never is."""
+        if best is None:
+            return not math.isnan(value)
+        return value > best if self.higher_is_better else value < best
 
 
 @contextlib.contextmanager

@@ -56,3 +56,37 @@ def plot_loss_curve(metrics_jsonl_path: str | os.PathLike, png_path: str | os.Pa
     fig.savefig(tmp, format="png", dpi=120)
     os.replace(tmp, png_path)
     return png_path
+
+
+def plot_confusion_matrix(matrix: list[list[int]], classes: list[str] | tuple[str, ...],
+                          png_path: str | os.PathLike, title: str = "") -> Path:
+    """The confusion matrix (rows: true class, columns: predicted), each cell shaded by its share of its
+    row and labelled with its count; written atomically."""
+    from matplotlib.figure import Figure
+
+    png_path = Path(png_path)
+    counts = [list(row) for row in matrix]
+    if len(counts) != len(classes) or any(len(row) != len(classes) for row in counts):
+        raise ValueError(f"matrix must be {len(classes)} x {len(classes)}, one row and column per class")
+    shares = [[count / max(sum(row), 1) for count in row] for row in counts]
+    size = min(3 + 0.5 * len(classes), 12)
+    fig = Figure(figsize=(size + 1, size), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, label="share of the true class")
+    if len(classes) <= 30:  # beyond that the counts would not be legible
+        for i, row in enumerate(counts):
+            for j, count in enumerate(row):
+                ax.text(j, i, f"{count:,}", ha="center", va="center",
+                        color="white" if shares[i][j] > 0.5 else "black", fontsize=8)
+    ax.set_xticks(range(len(classes)), labels=classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), labels=classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if title:
+        ax.set_title(title)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png_path.with_name(f".{png_path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    os.replace(tmp, png_path)
+    return png_path

@@ -405,7 +405,12 @@ class Trainer:
     def _time_evaluation_for_plan(self) -> float:
         """e for the planner: an evaluation (`_time_evaluation`) and the checkpoint one writes when it
         improves (best/), timed by writing last/ now, which the run keeps; their seconds count as evaluating
-        (the planner's clock leaves them out of the steps' time)."""
+        (the planner's clock leaves them out of the steps' time). With a `selection` (no share of a scoring
+        tells its cost) it times one whole evaluation, which counts as the run's evaluation at this step."""
+        if self.selection is not None:
+            start = time.perf_counter()
+            self._evaluate_and_keep_best()  # counts its own seconds as evaluating
+            return time.perf_counter() - start
         start = time.perf_counter()
         with self._phases.timing("evaluation"):
             seconds = self._time_evaluation()
@@ -475,10 +480,10 @@ class Trainer:
         self._stop_if_diverged()
         start = time.perf_counter()
         with self._phases.timing("evaluation"):
-            self.val_loss = self.evaluate()
             if self.selection is not None:
-                with evaluating(self.model):
-                    self._scores = dict(self.selection.score(self.model))
+                with evaluating(self.model), self._autocast():
+                    self._scores = {name: float(value) for name, value in self.selection.score(self.model).items()}
+            self.val_loss = self._scores.pop("loss") if "loss" in self._scores else self.evaluate()
         self._evaluated_step, self._last_is_current = self.step, False
         self._record(val_loss=self.val_loss, **{f"val_{k}": v for k, v in self._scores.items()},
                      elapsed_s=self._elapsed())
