@@ -195,6 +195,15 @@ def test_export_of_a_bert_or_an_encoder_decoder_to_gguf_is_refused_in_one_line(c
     assert not (tmp_path / "model.gguf").exists()
 
 
+def test_export_of_an_encoder_decoder_marian_cannot_express_is_refused_in_one_line(capsys, tmp_path):
+    """A built-in task's model: sources without </s>, which Marian's tokenizer always appends."""
+    ckpt = _checkpoint(tmp_path / "ckpt", "transformer")
+    code, stdout, stderr = run_cli(capsys, "export", "--ckpt", ckpt, "--out", tmp_path / "marian")
+    assert code == 2 and stdout == "" and len(stderr.splitlines()) == 1
+    assert stderr.startswith("plainformer: error: source_eos=False: Marian's tokenizer ends every source with </s>")
+    assert not (tmp_path / "marian").exists()
+
+
 def test_export_to_gguf_on_a_full_disk_is_one_line_and_leaves_nothing(
         run, capsys, small_tmpfs):
     code, stdout, stderr = run_cli(capsys, "export", "--ckpt", run, "--out", small_tmpfs / "model.gguf")

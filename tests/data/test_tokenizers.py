@@ -12,6 +12,7 @@ from transformers import BertTokenizerFast
 from plainformer.data.tokenizers import (
     BPETokenizer,
     CharTokenizer,
+    MarianTokenizer,
     SentencePieceTokenizer,
     WordPieceTokenizer,
     load_tokenizer,
@@ -307,3 +308,54 @@ def test_sentencepiece_saves_the_model_that_the_sentencepiece_library_reads(tmp_
 def test_sentencepiece_refuses_a_vocabulary_its_text_cannot_fill():
     with pytest.raises(ValueError, match="could not learn a vocabulary of 5000 pieces"):
         SentencePieceTokenizer.train(["a few words", "and a few more"], 5000)
+
+
+# ----------------------------------------------------------------------------- Marian (opus-mt)
+
+@pytest.fixture(scope="module")
+def marian_directory(tmp_path_factory):
+    """An opus-mt tokenizer's files: two SentencePiece models trained here, one vocab.json whose ids are not
+    theirs."""
+    from tests.reference.marian import corpus_lines, write_opus_mt_tokenizer
+
+    directory = tmp_path_factory.mktemp("marian")
+    targets = [line.upper() for line in corpus_lines(300, 300)]
+    write_opus_mt_tokenizer(directory, corpus_lines(0, 300) + SENTENCES, targets)
+    return directory
+
+
+def test_marian_gives_the_ids_and_text_of_transformers_marian_tokenizer(marian_directory):
+    """Source pieces looked up in vocab.json (a piece it lacks is <unk>), </s> left to the model; decoding
+    through the target model without the special tokens, as MarianTokenizer(skip_special_tokens=True)."""
+    from transformers import MarianTokenizer as Reference
+
+    ours, reference = MarianTokenizer.from_directory(marian_directory), Reference.from_pretrained(marian_directory)
+    texts = [*SENTENCES[:-1], ">>fr<< Speak, speak.", "Ω unseen ∑ symbols"]
+    assert [ids + [ours.eos_id] for ids in ours.encode_many(texts)] == reference(texts)["input_ids"]
+    assert ours.unk_id in ours.encode("Ω unseen ∑ symbols")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = torch.randint(0, ours.vocab_size, (12,), generator=g).tolist()
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert (ours.pad_id, ours.eos_id, ours.unk_id, ours.bos_id) == (ours.vocab_size - 1, 0, 1, None)
+
+
+def test_marian_saves_and_loads_as_any_tokenizer(marian_directory, tmp_path):
+    tok = MarianTokenizer.from_directory(marian_directory)
+    tok.save(tmp_path)
+    restored = load_tokenizer(tmp_path)
+    assert isinstance(restored, MarianTokenizer) and restored.fingerprint == tok.fingerprint
+    assert restored.encode("Speak, speak.") == tok.encode("Speak, speak.")
+
+
+def test_marian_refuses_a_vocabulary_it_cannot_use(marian_directory, tmp_path):
+    source = (marian_directory / "source.spm").read_bytes()
+    with pytest.raises(ValueError, match="ids 0 .. 2"):
+        MarianTokenizer(source, source, {"</s>": 0, "<unk>": 1, "<pad>": 5})
+    with pytest.raises(ValueError, match="<pad>"):
+        MarianTokenizer(source, source, {"</s>": 0, "<unk>": 1})
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        (tmp_path / name).write_bytes((marian_directory / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"separate_vocabs": True}))
+    with pytest.raises(ValueError, match="separate_vocabs"):
+        MarianTokenizer.from_directory(tmp_path)

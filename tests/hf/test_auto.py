@@ -92,8 +92,8 @@ def test_bert_saves_and_loads_through_the_same_entry_points(tmp_path):
 
 
 def test_save_refuses_other_models(tmp_path):
-    with pytest.raises(TypeError, match="model must be a GPT, a BertModel or a BertForSequenceClassification, "
-                                        "got Linear"):
+    with pytest.raises(TypeError, match="model must be a GPT, a BertModel, a BertForSequenceClassification or a "
+                                        "Transformer, got Linear"):
         pf.save_hf(torch.nn.Linear(2, 2), tmp_path)
 
 

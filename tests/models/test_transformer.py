@@ -93,6 +93,34 @@ def test_embeddings_are_shared_and_the_output_projection_is_tied():
     assert separate.output.weight.shape == (VOCAB + 3, 16)
 
 
+def test_output_bias_is_added_to_the_tied_logits():
+    """output_bias (Marian's final_logits_bias): logits = h Eᵀ + b, the projection still tied to E."""
+    model = _model(output_bias=True).eval()
+    assert model.output.weight is model.decoder.embedding.weight
+    with torch.no_grad():
+        model.output.bias.copy_(torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)))
+        batch = _batch()
+        logits, _ = model(batch["src"], batch["tgt_in"])
+        hidden = model.decoder(batch["tgt_in"], model.encoder(batch["src"]),
+                               tgt_key_padding_mask=batch["tgt_in"] != PAD, memory_key_padding_mask=batch["src"] != PAD)
+    assert_close(logits, hidden @ model.decoder.embedding.weight.T + model.output.bias)
+
+
+def test_a_decoder_that_starts_from_the_pad_token_scores_as_decoding_does():
+    """bos_id == pad_id (Marian's decoder start): the padded batch's logits at the real positions, position 0
+    included, equal those that decoding computes for each pair alone, unpadded and unmasked."""
+    model = _model(bos_id=PAD).eval()
+    batch = _batch()
+    batch["tgt_in"][:, 0] = PAD
+    with torch.no_grad():
+        logits, loss = model(**batch)
+        for row, (n_src, n_tgt) in enumerate(((6, 6), (4, 4))):
+            memory, src_mask = model.encode(batch["src"][row:row + 1, :n_src])
+            alone = model.decode(batch["tgt_in"][row:row + 1, :n_tgt], memory, src_mask)
+            assert_close(logits[row, :n_tgt], alone[0], f"row {row}")
+    assert torch.isfinite(loss)
+
+
 def test_label_smoothing_matches_a_hand_computation():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 5, generator=g)
@@ -204,7 +232,8 @@ def test_checkpoint_round_trip_gives_the_same_logits(tmp_path):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(src_vocab_size=10, tgt_vocab_size=11), "share_embeddings"),
-    (dict(bos_id=0), "must differ"),
+    (dict(bos_id=EOS), "eos_id must differ"),
+    (dict(eos_id=PAD), "eos_id must differ"),
     (dict(eos_id=VOCAB), "eos_id"),
     (dict(d_model=18), "divisible"),
     (dict(n_decoder_layers=0), "n_decoder_layers"),

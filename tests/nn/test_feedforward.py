@@ -1,5 +1,5 @@
 """FeedForward against the hand-written formulas: ReLU (paper), GELU and its tanh approximation, ReLU²,
-SwiGLU; ReLU² against transformers' ACT2FN["relu2"]; position-wise; dropout."""
+SiLU, SwiGLU; ReLU² and SiLU against transformers' ACT2FN["relu2"] and ACT2FN["swish"]; position-wise; dropout."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def _hand_ffn(ffn: pf.FeedForward, x: torch.Tensor) -> torch.Tensor:
         hidden = 0.5 * hidden * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hidden + 0.044715 * hidden ** 3)))
     elif ffn.activation == "relu2":
         hidden = torch.where(hidden > 0, hidden * hidden, torch.zeros_like(hidden))
+    elif ffn.activation == "silu":
+        hidden = hidden / (1 + torch.exp(-hidden))
     else:
         hidden = hidden / (1 + torch.exp(-hidden)) * (x @ ffn.W_3.weight.T + ffn.W_3.bias)
     return hidden @ ffn.W_2.weight.T + ffn.W_2.bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "silu", "swiglu"])
 def test_matches_the_formula_computed_by_hand(activation, dtype):
     torch.manual_seed(0)
     ffn = pf.FeedForward(8, 32, activation).to(dtype)
@@ -48,13 +50,24 @@ def test_relu2_is_transformers_relu_squared_activation():
     assert_close(ffn(x), expected)
 
 
+def test_silu_is_transformers_swish_activation():
+    """The hidden layer of activation="silu" is ACT2FN["swish"] (opus-mt's activation_function) of x W_1ᵀ + b_1."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    ffn = pf.FeedForward(8, 32, "silu")
+    x = torch.randn(2, 5, 8)
+    expected = ACT2FN["swish"](ffn.W_1(x)) @ ffn.W_2.weight.T + ffn.W_2.bias
+    assert_close(ffn(x), expected)
+
+
 def test_projections_have_the_paper_shapes():
     ffn = pf.FeedForward(8, 32)
     assert ffn.W_1.weight.shape == (32, 8) and ffn.W_2.weight.shape == (8, 32) and ffn.W_3 is None
     assert not any("bias" in name for name, _ in pf.FeedForward(8, 32, bias=False).named_parameters())
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2", "silu", "swiglu"])
 def test_each_position_is_transformed_separately(activation):
     """FFN applied to a permuted sequence is the permuted FFN output: no mixing across positions."""
     torch.manual_seed(0)

@@ -82,9 +82,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    if is_hf_directory(args.ckpt):  # a Hugging Face model: a classifier, else evaluated as a GPT; no run recipe
-        run_dir, checkpoint = args.ckpt, args.ckpt
-        family = "bert-cls" if hf_family(args.ckpt) == "bert-cls" else "gpt"
+    if is_hf_directory(args.ckpt):  # a Hugging Face model: a classifier, a translator (Marian), else evaluated
+        run_dir, checkpoint = args.ckpt, args.ckpt  # as a GPT; no run recipe
+        family = hf_family(args.ckpt)
+        family = family if family in ("bert-cls", "transformer") else "gpt"
     else:
         run_dir, checkpoint = run_and_checkpoint(args.ckpt)
         refuse_non_model(checkpoint)

@@ -1,6 +1,8 @@
 """`plainformer export`: a run as a Hugging Face directory, a GGUF file or a LoRA adapter.
 
     plainformer export --ckpt RUN --out DIR        DIR loads with AutoModelForCausalLM / AutoTokenizer
+                                                   (a translation run's: MarianMTModel / MarianTokenizer,
+                                                   and ct2-transformers-converter converts it)
     plainformer export --ckpt RUN --out FILE.gguf [--gguf-type f32|f16|q8_0]     llama-cli -m FILE.gguf
     plainformer export --ckpt LORA_RUN --out DIR --adapter     DIR loads with PeftModel.from_pretrained
     plainformer export --ckpt CLASSIFIER_RUN --out DIR         pipeline("text-classification", model=DIR) runs it
@@ -33,7 +35,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Write config.json, model.safetensors and the tokenizer (tokenizer.json, "
                     "tokenizer_config.json) that transformers' AutoModelForCausalLM (a GPT: GPT-2 or "
                     "Llama layout), BertModel (a BERT's encoder) or BertForSequenceClassification (a classifier, "
-                    "its classes as id2label) and AutoTokenizer load; or a GPT as one "
+                    "its classes as id2label) and AutoTokenizer load, or a translation model as the Marian "
+                    "directory that MarianMTModel and MarianTokenizer load (and CTranslate2's "
+                    "ct2-transformers-converter converts); or a GPT as one "
                     "GGUF file that llama.cpp and Ollama run (--out FILE.gguf); or a LoRA run's adapter "
                     "alone, which PEFT loads (--adapter).")
     parser.add_argument("--ckpt", type=Path, required=True, help=CKPT_HELP)
@@ -67,7 +71,8 @@ def run_export(args: argparse.Namespace) -> dict[str, Any]:
 def _export_hf(args: argparse.Namespace, model: FamilyModel, family: Family) -> dict[str, Any]:
     tokenizer = model.tokenizer
     if family.export is None:
-        raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT or a BERT")
+        raise UserError(f"a {type(model).__name__} has no Hugging Face layout here; export takes a GPT, a BERT or "
+                        "a translation Transformer")
     family.export(model, args.out, tokenizer)
     hf = read_hf_config(args.out)
     return {"out": str(args.out), "model_type": hf["model_type"], "architecture": hf["architectures"][0],

@@ -11,10 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..families.family import run_and_checkpoint
-from ..families.transformer import check_beam
+from ..families.transformer import check_beam, load_translator
 from ..inference.linear_kernels import measure_kernels
-from ..models.transformer import Transformer
 from . import (
     UserError,
     add_max_memory_argument,
@@ -39,7 +37,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("text", nargs="?", metavar="TEXT", help="a sentence (default: --input, else stdin)")
     parser.add_argument("--input", type=Path, metavar="FILE", help="a UTF-8 file of sentences, one a line")
     parser.add_argument("--ckpt", type=Path, required=True,
-                        help="run directory (its best/, else last/) or a checkpoint directory")
+                        help="run directory (its best/, else last/), a checkpoint directory, or a Marian "
+                             "directory (transformers' MarianMTModel, an opus-mt model)")
     parser.add_argument("--beam", type=positive_int, default=4,
                         help="beam size; 1 = greedy (default: 4, the paper's)")
     parser.add_argument("--length-penalty", type=non_negative_number, default=0.6,
@@ -68,7 +67,7 @@ def input_lines(args: argparse.Namespace) -> list[str]:
 
 def run_translate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    model = Transformer.from_checkpoint(run_and_checkpoint(args.ckpt)[1])
+    model = load_translator(args.ckpt)
     lines = input_lines(args)
     measure_kernels(model)  # decoding's few-row products on the kernel measured fastest here
     check_beam(model, args.beam, lines, args.batch_size)

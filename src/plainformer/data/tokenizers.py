@@ -8,6 +8,9 @@
   with accent stripping), whitespace/punctuation pre-splitting, greedy longest-match-first subwords
   with the "##" continuation prefix, and [CLS] A [SEP] (B [SEP]) framing. Trained with `tokenizers`, or
   loaded from a BERT `vocab.txt` / `tokenizer.json`; gives the ids of `transformers.BertTokenizerFast`.
+- `SentencePieceTokenizer`: SentencePiece BPE on raw text, one model for both languages of a translation.
+- `MarianTokenizer`: Marian's (opus-mt's) source and target SentencePiece models and the vocab.json that
+  gives their pieces ids; gives the ids of `transformers.MarianTokenizer`.
 
 Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, the ids of its
 special tokens (`pad_id`, `bos_id`, `eos_id`, `cls_id`, `sep_id`, `mask_id`, `unk_id`; None when it
@@ -532,6 +535,11 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(model.getvalue())
 
     @property
+    def model_bytes(self) -> bytes:
+        """The SentencePiece model, serialized: what `sentencepiece.model` holds (and a Marian source.spm)."""
+        return self._model
+
+    @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
@@ -570,8 +578,107 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"{path} is not a SentencePiece model ({error})") from None
 
 
+class MarianTokenizer(Tokenizer):
+    """Marian's tokenizer (Helsinki-NLP's opus-mt models), as transformers' MarianTokenizer reads a model
+    directory: a source SentencePiece model cuts the text into pieces, vocab.json gives each piece its id (not
+    the SentencePiece id; a piece it lacks is <unk>), and a target SentencePiece model joins the pieces of an
+    output back into text. One vocabulary serves both sides; a leading language code ">>fr<<" (a multilingual
+    model's target) is one token. Decoding leaves out the special tokens, as transformers'
+    `decode(skip_special_tokens=True)` does. There is no <s>: Marian's decoder starts from <pad>.
+
+    Saved as the three files of a Marian directory (source.spm, target.spm, vocab.json) beside a
+    tokenizer.json naming the kind.
+    """
+
+    kind = "marian"
+    SOURCE_FILE, TARGET_FILE, VOCAB_FILE = "source.spm", "target.spm", "vocab.json"
+    special_tokens: Mapping[str, str] = {"pad": "<pad>", "unk": "<unk>", "eos": "</s>"}
+
+    def __init__(self, source: bytes, target: bytes, vocab: Mapping[str, int]):
+        import sentencepiece as spm
+
+        ids = sorted(vocab.values()) if all(_checks.is_int(i) for i in vocab.values()) else None
+        if ids != list(range(len(vocab))):
+            raise ValueError(f"vocab must give its {len(vocab)} pieces the ids 0 .. {len(vocab) - 1}, each once")
+        missing = [token for token in self.special_tokens.values() if token not in vocab]
+        if missing:
+            raise ValueError(f"vocab lacks the special token(s) {', '.join(missing)}")
+        self._source, self._target, self.vocab = bytes(source), bytes(target), dict(vocab)
+        self._pieces = sorted(self.vocab, key=self.vocab.__getitem__)  # id -> piece
+        self._sp_source = spm.SentencePieceProcessor(model_proto=self._source)
+        self._sp_target = spm.SentencePieceProcessor(model_proto=self._target)
+        self._unk = self.vocab["<unk>"]
+        self._skipped = {self.vocab[token] for token in self.special_tokens.values()}
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> MarianTokenizer:
+        """The tokenizer of a Marian directory (source.spm, target.spm, vocab.json), as transformers'
+        MarianTokenizer.from_pretrained reads it; one with a target vocabulary of its own is refused."""
+        directory = Path(directory)
+        config = directory / "tokenizer_config.json"
+        if config.is_file() and read_tokenizer_json(config).get("separate_vocabs"):
+            raise ValueError(f"{config}: separate_vocabs (a target vocabulary of its own, target_vocab.json) is not "
+                             "supported: plainformer reads one vocabulary shared by both sides")
+        for name in (cls.SOURCE_FILE, cls.TARGET_FILE):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory} lacks {name}, a file of Marian's tokenizer")
+        return cls._from_saved(directory, {})
+
+    @property
+    def source_model(self) -> bytes:
+        """source.spm, serialized."""
+        return self._source
+
+    @property
+    def target_model(self) -> bytes:
+        """target.spm, serialized."""
+        return self._target
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._pieces)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._pieces[i]
+
+    @staticmethod
+    def _language_code(text: str) -> tuple[list[str], str]:
+        """A leading ">>xx<<" as a token of its own, and the text after it."""
+        end = text.find("<<") if text.startswith(">>") else -1
+        return ([text[:end + 2]], text[end + 2:]) if end != -1 else ([], text)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.get(piece, self._unk) for piece in self.pieces(text)]
+
+    def pieces(self, text: str) -> list[str]:
+        """The pieces of `text` as strings, a language code first: what CTranslate2 takes."""
+        code, rest = self._language_code(_check_text("text", text))
+        return code + self._sp_source.encode(rest, out_type=str)
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        pieces = [self._pieces[i] for i in _id_list(ids, self.vocab_size) if i not in self._skipped]
+        return self._sp_target.decode_pieces(pieces).replace("▁", " ").strip()
+
+    def _files(self) -> dict[str, str | bytes]:
+        state = {"kind": self.kind, "format_version": FORMAT_VERSION}
+        return {TOKENIZER_FILE: json.dumps(state, indent=1), self.SOURCE_FILE: self._source,
+                self.TARGET_FILE: self._target, self.VOCAB_FILE: json.dumps(self.vocab, ensure_ascii=False, indent=1)}
+
+    @classmethod
+    def _from_saved(cls, directory: Path, state: dict[str, Any]) -> MarianTokenizer:
+        vocab = read_json_object(directory / cls.VOCAB_FILE, what="Marian's vocabulary (JSON: piece -> id)")
+        try:
+            return cls((directory / cls.SOURCE_FILE).read_bytes(), (directory / cls.TARGET_FILE).read_bytes(), vocab)
+        except RuntimeError as error:
+            raise ValueError(f"{directory}: {cls.SOURCE_FILE} or {cls.TARGET_FILE} is not a SentencePiece model "
+                             f"({error})") from None
+
+
 _KINDS: dict[str, type[Tokenizer]] = {
-    t.kind: t for t in (CharTokenizer, BPETokenizer, WordPieceTokenizer, SentencePieceTokenizer)}
+    t.kind: t for t in (CharTokenizer, BPETokenizer, WordPieceTokenizer, SentencePieceTokenizer, MarianTokenizer)}
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

@@ -21,10 +21,12 @@ from ..data.parallel import prepare_parallel_data, read_pairs
 from ..data.seq2seq import TASKS, PairBatches, Seq2SeqBatches, make_task, train_tokenizer
 from ..errors import UserError
 from ..files.json_file import read_json
+from ..hf.directory import is_hf_directory
+from ..hf.marian import load_marian, save_marian
 from ..log import log
 from ..models.transformer import Transformer, TransformerConfig
 from ..training.evaluation import Selection, evaluating, score_translations, translation_scores
-from .family import Family, Run, fit
+from .family import Family, Run, fit, run_and_checkpoint
 from .memory_estimates import check_beam_memory
 
 LEGACY_TASK_FILE = "task.json"  # what run directories held before recipe.yaml
@@ -145,6 +147,19 @@ def average_kept(run: Run, score: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- decoding
 
+def load_translator(path: Path) -> Transformer:
+    """The Transformer, in eval mode with its tokenizer, of a run or checkpoint directory (a run's best/,
+    else last/) or of a Marian directory (transformers' MarianMTModel, Helsinki-NLP's opus-mt)."""
+    if is_hf_directory(path):
+        return load_marian(path)
+    return Transformer.from_checkpoint(run_and_checkpoint(path)[1])
+
+
+def export(model: Any, directory: Path, tokenizer: Any) -> None:
+    """`plainformer export`: a Marian directory (`hf.marian`), which transformers and CTranslate2 read."""
+    save_marian(model, directory, tokenizer=tokenizer)
+
+
 def check_beam(model: Transformer, beam: int, sources: Sequence[str], batch_size: int) -> None:
     """Refuse a --beam the target vocabulary or the memory cannot hold, before decoding: beyond V
     hypotheses no two could differ; and `batch_size` sources of the longest length among `sources`
@@ -192,7 +207,7 @@ def evaluate(args: argparse.Namespace, run_dir: Path, checkpoint: Path, recipe: 
              ) -> dict[str, Any]:
     """`plainformer eval` of an encoder-decoder: BLEU, chrF and tokenized BLEU on the pairs of --data, or BLEU
     and exact match on a split of the run's task."""
-    model = Transformer.from_checkpoint(checkpoint)
+    model = load_translator(checkpoint)
     if args.data is not None or (recipe.get("data") is not None and args.task is None):
         return _evaluate_pairs(args, model, checkpoint, recipe)
     task_name = args.task or _run_task(run_dir, recipe)
@@ -240,4 +255,4 @@ TRANSFORMER_FAMILY = Family(
     options=("data", "val_data", "source_lang", "target_lang", "vocab_size", "batch_tokens", "task", "threads"),
     train=train, evaluate=evaluate,
     eval_options=("data", "source_lang", "target_lang", "beam", "length_penalty", "task", "split"),
-    cross_attention=True)
+    export=export, cross_attention=True)

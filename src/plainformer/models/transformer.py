@@ -2,7 +2,8 @@
 
     z = Encoder(src)                                   (B, m, d_model), source padding masked
     h = Decoder(tgt_in, z)                             (B, n, d_model), causal over the target
-    logits = h Eᵀ                                      output projection tied to the target embedding E
+    logits = h Eᵀ (+ b)                                output projection tied to the target embedding E;
+                                                       b with output_bias (Marian's final_logits_bias)
     loss = −Σ_k q'(k) log softmax(logits)_k,  q' = (1 − ε_ls)·onehot(y) + ε_ls / V
                                                        label smoothing (section 5.4), padding ignored
 
@@ -68,6 +69,7 @@ class TransformerConfig(Config):
     norm_first: bool = False
     share_embeddings: bool = True
     tie_weights: bool = True
+    output_bias: bool = False  # logits = h Eᵀ + b (Marian's final_logits_bias, opus-mt's models)
     max_len: int = positive_int(256)
     label_smoothing: float = probability(0.1)
     pad_id: int = 0
@@ -98,9 +100,11 @@ class TransformerConfig(Config):
         vocab_size = min(self.src_vocab_size, self.tgt_vocab_size)
         for name in ("pad_id", "bos_id", "eos_id"):
             _checks.check_index(name, getattr(self, name), vocab_size, "vocab_size")
-        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
-            raise ValueError(f"pad_id, bos_id and eos_id must differ, got {self.pad_id}, {self.bos_id}, "
-                             f"{self.eos_id}")
+        # bos_id may be pad_id: Marian's decoder starts from the pad token (Transformer.forward then masks no
+        # target key: the causal mask alone hides the right padding from every real position)
+        if self.eos_id in (self.pad_id, self.bos_id):
+            raise ValueError(f"eos_id must differ from pad_id and bos_id, got pad_id={self.pad_id}, "
+                             f"bos_id={self.bos_id}, eos_id={self.eos_id}")
 
     @property
     def encoder_layers(self) -> int:
@@ -146,7 +150,7 @@ class Transformer(FamilyModel):
         self.decoder = Decoder(config.tgt_vocab_size, n_layers=config.decoder_layers, **_stack_options(config))
         if config.share_embeddings:
             self.decoder.embedding = self.encoder.embedding
-        self.output = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
+        self.output = nn.Linear(config.d_model, config.tgt_vocab_size, bias=config.output_bias)
         self._init_weights()
         if config.tie_weights:
             self.output.weight = self.decoder.embedding.weight
@@ -196,7 +200,9 @@ class Transformer(FamilyModel):
         if tgt_in.shape[0] != src.shape[0]:
             raise ValueError(f"src and tgt_in must have the same batch size, got src {tuple(src.shape)} "
                              f"and tgt_in {tuple(tgt_in.shape)}")
-        logits = self.decode(tgt_in, memory, src_mask, tgt_key_padding_mask=tgt_in != self.config.pad_id)
+        # Where the decoder starts from the pad token (bos_id == pad_id), masking pads would hide position 0.
+        tgt_mask = None if self.config.bos_id == self.config.pad_id else tgt_in != self.config.pad_id
+        logits = self.decode(tgt_in, memory, src_mask, tgt_key_padding_mask=tgt_mask)
         if tgt_out is None:
             return logits, None
         _checks.check_same_shape("tgt_out", tgt_out, "tgt_in", tgt_in)
@@ -256,7 +262,7 @@ class Transformer(FamilyModel):
         eos = [self.config.eos_id] if self.config.source_eos else []
         encoded = [torch.tensor([*ids, *eos] if ids else [], dtype=torch.long) for ids in tokenizer.encode_many(texts)]
         order = sorted((i for i in range(len(encoded)) if len(encoded[i])), key=lambda i: len(encoded[i]))
-        device = self.output.weight.device
+        device = self.encoder.embedding.weight.device  # the output layer may hold int8 weights (quantize)
         translations = [""] * len(encoded)  # an empty source translates to an empty target
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]

@@ -2,7 +2,8 @@
 
     FFN(x) = act(x W_1 + b_1) W_2 + b_2,   act = ReLU (paper), GELU (BERT) or its tanh
                                             approximation "gelu_tanh" (GPT-2), or ReLU²
-                                            "relu2" = max(0, x)² (Primer, So et al. 2021; Nemotron)
+                                            "relu2" = max(0, x)² (Primer, So et al. 2021; Nemotron),
+                                            or SiLU "silu" = x·σ(x), the swish of Marian's opus-mt models
     SwiGLU:  FFN(x) = (SiLU(x W_1) ⊙ x W_3) W_2   (Shazeer 2020)
 
 applied to each position separately: (B, n, d_model) -> (B, n, d_ff) -> (B, n, d_model).
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2", "silu", "swiglu")
 
 
 def check_feedforward_args(d_ff: int, activation: str) -> None:
@@ -55,6 +56,8 @@ class FeedForward(nn.Module):
             hidden = F.gelu(hidden, approximate="tanh")
         elif self.activation == "relu2":
             hidden = F.relu(hidden).square()
+        elif self.activation == "silu":
+            hidden = F.silu(hidden)
         else:
             assert self.W_3 is not None  # built for swiglu
             hidden = F.silu(hidden) * self.W_3(x)
