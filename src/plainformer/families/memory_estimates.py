@@ -273,10 +273,11 @@ def decoding_bytes(config: Any, rows: int, prompt_len: int, dtype: torch.dtype =
 def beam_search_bytes(config: Any, sentences: int, beam_size: int, source_len: int) -> int:
     """The bytes beyond the model's own of translating `sentences` sources of up to `source_len` tokens at
     once with `beam_size` hypotheses each: the encoder's pass, and per hypothesis the self-attention
-    caches of every decoder layer (min(source_len + 50, max_len) positions), the cross-attention keys
-    and values and the memory over the source, the scores of each step and the tokens."""
+    caches of every decoder layer (min(source_len + 50, max_len) positions, twice with a beam: the buffers a
+    reorder writes into), the cross-attention keys and values and the memory over the source, the scores of
+    each step and the tokens."""
     c = config
-    steps = min(source_len + EXTRA_OUTPUT_TOKENS, c.max_len)
+    steps = min(source_len + EXTRA_OUTPUT_TOKENS, c.max_len) * (2 if beam_size > 1 else 1)
     per_row = (FLOAT32 * (c.decoder_layers * 2 * kv_width(c) * (steps + source_len) + source_len * c.d_model
                           + 3 * c.tgt_vocab_size) + 8 * steps)
     return forward_pass(c, sentences, source_len, FLOAT32, 0) + sentences * beam_size * per_row
@@ -286,7 +287,7 @@ def largest_beam(config: Any, sentences: int, source_len: int, held: int = 0) ->
     """The largest beam that fits the memory available for `sentences` sources at once (0 when not even
     one does), at most the target vocabulary; `held`: the bytes of the model, loaded already."""
     encoder = beam_search_bytes(config, sentences, 0, source_len)
-    per_beam = beam_search_bytes(config, sentences, 1, source_len) - encoder
+    per_beam = (beam_search_bytes(config, sentences, 2, source_len) - encoder) // 2  # a beam's, spare buffers in
     room = available_memory(held) - held - encoder
     return max(0, min(config.tgt_vocab_size, room // per_beam))
 

@@ -47,6 +47,7 @@ class KVCache:
         self._last = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,), see last_tokens
         self.max_len, self.static, self.window = max_len, static, window
         self.length = 0
+        self._spare: tuple[Tensor, Tensor] | None = None  # the buffers a reorder writes into (`reorder`)
 
     @property
     def held(self) -> int:
@@ -115,18 +116,21 @@ class KVCache:
         """Keep batch rows `batch_indices` (beam search picks which hypotheses survive).
 
         group_size and whole_groups (see `DecoderCache.reorder`) change nothing here: every row is its own.
-        Only the held positions are moved: a beam's step costs what it has decoded, not the capacity.
+        Only the held positions are moved, straight into a second pair of buffers that then takes the first's
+        place (a beam reorders at every step: one pass over what it has decoded, not over the capacity).
         """
-        held = self.held
-        if len(batch_indices) == self._k.shape[0]:  # as many rows: in place
-            self._k[:, :, :held] = self._k[:, :, :held].index_select(0, batch_indices)
-            self._v[:, :, :held] = self._v[:, :, :held].index_select(0, batch_indices)
-        else:
-            k, v = self._k, self._v
-            self._k = k.new_empty((len(batch_indices), *k.shape[1:]))
-            self._v = v.new_empty((len(batch_indices), *v.shape[1:]))
-            self._k[:, :, :held] = k[:, :, :held].index_select(0, batch_indices)
-            self._v[:, :, :held] = v[:, :, :held].index_select(0, batch_indices)
+        held, rows = self.held, len(batch_indices)
+        if self._k.requires_grad or self._v.requires_grad:  # under autograd (a test's): a reorder autograd follows
+            self._k, self._v = self._k.index_select(0, batch_indices), self._v.index_select(0, batch_indices)
+            self._last = self._last.index_select(0, batch_indices)
+            return
+        if self._spare is None or self._spare[0].shape[0] != rows:
+            self._spare = (self._k.new_empty((rows, *self._k.shape[1:])), self._v.new_empty((rows, *self._v.shape[1:])))
+        spare_k, spare_v = self._spare
+        torch.index_select(self._k[:, :, :held], 0, batch_indices, out=spare_k[:, :, :held])
+        torch.index_select(self._v[:, :, :held], 0, batch_indices, out=spare_v[:, :, :held])
+        self._spare = (self._k, self._v) if self._k.shape[0] == rows else None
+        self._k, self._v = spare_k, spare_v
         self._last = self._last.index_select(0, batch_indices)
 
 
