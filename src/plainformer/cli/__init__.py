@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -236,8 +237,19 @@ def _option_type(annotation: Any) -> type:
     return arguments[0] if arguments else annotation
 
 
+def _annotation(config_cls: type[Config], name: str) -> Any:
+    """The type of field `name` of `config_cls` (typing's hints, resolved once per class)."""
+    cls: type = config_cls  # a class is hashable, whatever its instances' __hash__
+    return _type_hints(cls)[name]
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def field_type(config_cls: type[Config], name: str) -> type:
-    return _option_type(typing.get_type_hints(config_cls)[name])
+    return _option_type(_annotation(config_cls, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +278,7 @@ def config_flag(config_cls: type[Config], name: str) -> dict[str, Any]:
     kind = field_type(config_cls, name)
     if kind is bool:
         return dict(action=argparse.BooleanOptionalAction)
-    optional = type(None) in typing.get_args(typing.get_type_hints(config_cls)[name])
+    optional = type(None) in typing.get_args(_annotation(config_cls, name))
     flag: dict[str, Any] = dict(type=OrNone(kind) if optional else kind, metavar=_METAVARS[kind])
     choices = field_choices(config_cls, name)
     if choices is not None:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import shutil
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +82,13 @@ _LORA = LoRAConfig()  # its defaults
 # name): argparse keywords, in the order of the help, with `help` and `default` (what holds when neither the
 # recipe nor the user gives one), each a text or a mapping family -> text; the LoRA flags take LoRAConfig's ranges.
 _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
-    "init": dict(metavar="MODEL", help=(
-        "the model to fine-tune: a plainformer checkpoint or run directory (e.g. runs/default), a Hugging "
-        "Face GPT-2, Llama or BERT directory, or minilm")),
+    "init": dict(metavar="MODEL", help={
+        "gpt": "the GPT to fine-tune: a plainformer checkpoint or run (runs/default), or a Hugging Face GPT-2, "
+               "Llama or Mixtral directory",
+        "bert-cls": "the BERT to fine-tune: minilm, a Hugging Face BERT directory, or a plainformer checkpoint "
+                    "or run"}),
     "lora_r": dict(type=ranged_field_type(LoRAConfig, "r"), metavar="R", help=(
-        "train a rank-R LoRA adapter (kept with a reference to --init), not every weight"),
-        default="none: every weight"),
+        "train a rank-R LoRA adapter (kept with a reference to --init) instead of every weight"), default="none"),
     "lora_alpha": dict(type=ranged_field_type(LoRAConfig, "alpha"), metavar="ALPHA",
                        help="LoRA's α: the update is scaled by α / r", default=_LORA.alpha),
     "lora_dropout": dict(type=ranged_field_type(LoRAConfig, "dropout"), metavar="P",
@@ -103,18 +105,18 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
                  "bert-cls": "which of --plays a line is from", "transformer": "--task's pairs"}),
     "val_data": dict(metavar="DATA", help="held-out validation data, as --data", default={
         "gpt": "the end of --data", "bert-cls": "a stratified 10% of --data", "transformer": "none; --data needs it"}),
-    "source_lang": dict(metavar="LANG", help="the source language, as the data names it (de)"),
-    "target_lang": dict(metavar="LANG", help="the target language, as the data names it (en)"),
+    "source_lang": dict(metavar="LANG", help="the source language, as the data names it (a suffix, a key)"),
+    "target_lang": dict(metavar="LANG", help="the target language, as the data names it"),
     "batch_tokens": dict(type=positive_int, metavar="N", help=(
-        "batches of sentences of similar length, of at most N tokens a side (padding included) and at most "
-        "--batch-size sentences (the paper's batching)"), default="--batch-size sentences"),
+        "batches of sentences of similar length, at most N tokens a side with padding, and at most "
+        "--batch-size sentences"), default="--batch-size sentences"),
     "text_field": dict(metavar="NAME", help={"gpt": "the text field of JSON Lines records",
                                              "bert-cls": "the text field of --data"},
                        default={"gpt": "text", "bert-cls": "sentence, else text"}),
     "text_pair_field": dict(metavar="NAME", help="the second text's field of --data, for sentence pairs",
                             default="none"),
     "label_field": dict(metavar="NAME", help="the label field of --data", default="label"),
-    "tokenizer": dict(choices=("char", "bpe"), help="char, or byte-level bpe", default="char"),
+    "tokenizer": dict(choices=("char", "bpe"), metavar="NAME", help="characters, or byte-level BPE", default="char"),
     "vocab_size": dict(type=positive_int, metavar="N", help={
         "gpt": "the bpe tokenizer's vocabulary, the model's vocab_size",
         "bert-mlm": "the WordPiece tokenizer's vocabulary, trained on --data",
@@ -122,7 +124,7 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
         default={"gpt": "2048", "transformer": "8000"}),
     "seq_len": dict(type=positive_int, metavar="N", help={"bert-mlm": "tokens per window of text",
                                                           "bert-cls": "tokens per text, the rest cut off"}),
-    "task": dict(choices=list(TASKS), help="a built-in task"),
+    "task": dict(choices=list(TASKS), metavar="NAME", help="a built-in task"),
     "plays": dict(nargs="+", metavar="TITLE", help="two or more titles from corpus/works.tsv",
                   default=", ".join(DEFAULT_PLAYS)),
     "threads": dict(type=positive_int, metavar="N", help="torch.set_num_threads", default="torch's"),
@@ -180,7 +182,7 @@ FINETUNE = Verb("finetune", "bert-finetune", True,
 def register(subcommands: argparse._SubParsersAction) -> None:
     for verb in (TRAIN, FINETUNE):
         parser = subcommands.add_parser(verb.name, help=verb.help, add_help=False)
-        parser.build = lambda argv, verb=verb, prog=parser.prog: verb_parser(verb, prog, argv)
+        parser.build = functools.partial(verb_parser, verb, parser.prog)
 
 
 def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentParser:
@@ -190,7 +192,8 @@ def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentPars
     family = families.get(recipe.family)
     fine_tuning = recipe.model is None
     parser = _Parser(prog=prog, usage=verb.usage, formatter_class=_Formatter,
-                     description=textwrap.fill(f"{verb.description} {_shown_note(verb, recipe)}", _width()),
+                     description=textwrap.fill(f"{verb.description} {_shown_note(verb, recipe)}", _width(),
+                                               break_on_hyphens=False),
                      epilog=_recipes_list())
     _add_run_arguments(parser, verb)
     shown = set()
@@ -306,19 +309,24 @@ def _in_family(text: Any, family: Family) -> str | None:
 
 
 def _option_help(key: str, family: Family, recipe: Recipe) -> str:
-    """An option's help: its text for `family`, and the recipe's value, else its default."""
+    """An option's help: its text for `family`, its choices, and the recipe's value, else its default."""
     text = _in_family(OPTIONS[key]["help"], family)
     assert text is not None, f"the flag of {key} has no help for the {family.name} family"
-    if key in recipe.options:
-        return _escaped(f"{text} (recipe: {_shown(recipe.options[key])})")
     default = _in_family(OPTIONS[key].get("default"), family)
-    return _escaped(text if default is None else f"{text} (default: {_shown(default)})")
+    value = f"recipe: {_shown(recipe.options[key])}" if key in recipe.options else \
+        None if default is None else f"default: {_shown(default)}"
+    return _described(text, OPTIONS[key].get("choices"), value)
 
 
 def _field_help(config_cls: type[Config], name: str, value: str) -> str:
     """A config field's help: its `HELP`, its choices, and `value` (the recipe's, or the default)."""
-    choices = field_choices(config_cls, name)
-    return _escaped(f"{config_cls.HELP[name]} ({' | '.join(choices) + '; ' if choices else ''}{value})")
+    return _described(config_cls.HELP[name], field_choices(config_cls, name), value)
+
+
+def _described(text: str, choices: Sequence[str] | None, value: str | None) -> str:
+    """`text (a | b; value)`, as argparse reads a help (% doubled)."""
+    notes = "; ".join(note for note in (" | ".join(choices or ()), value) if note)
+    return (f"{text} ({notes})" if notes else text).replace("%", "%%")
 
 
 def _recipe_value(recipe: Recipe, part: str, name: str) -> str:
@@ -340,10 +348,6 @@ def _shown(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return ", ".join(map(str, value))
     return str(value)
-
-
-def _escaped(help: str) -> str:
-    return help.replace("%", "%%")  # argparse formats a help with %
 
 
 # ----------------------------------------------------------------------------- config files

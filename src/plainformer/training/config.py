@@ -91,7 +91,7 @@ class TrainConfig(Config):
         "keep_checkpoints": "keep the last N saves' weights in OUT/checkpoints",
         "dtype": "auto: bfloat16 autocast where its matmuls are fast",
         "seed": "seed of the weights, the batches and dropout",
-        "max_time": "wall-clock seconds, then stop gracefully; none: no limit",
+        "max_time": "stop gracefully at X wall-clock seconds; none: never",
         "fit_to_time": "fit max_steps to max_time at the speed measured",
         "compile": "torch.compile the model",
         "parallel": "under torchrun; auto: DDP with several processes",
