@@ -46,6 +46,11 @@ def help_text(capsys, *argv: str) -> str:
     return captured.out
 
 
+def flat(text: str) -> str:
+    """`text` on one line, as argparse wraps its descriptions."""
+    return " ".join(text.split())
+
+
 def verb_parser(*argv: str) -> argparse.ArgumentParser:
     """The parser that reads `plainformer ARGV`: the verb's, or the one train's verbs build for the recipe."""
     (subcommands,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -132,7 +137,7 @@ def test_a_help_lists_no_flag_of_another_family_nor_a_shape_flag_for_a_fine_tuni
 
 def test_the_help_shows_the_recipes_values_its_shapes_and_the_defaults(capsys):
     text = help_text(capsys, "train")
-    assert "Shown: recipe 'default' (gpt)" in text and "plainformer train --recipe NAME --help" in text
+    assert "Shown: recipe 'default' (gpt)" in flat(text) and "plainformer train --recipe NAME --help" in flat(text)
     assert re.search(r"--n-layers N +blocks \(recipe: 4 from 600 GFLOP/s, else 3\)", text)
     assert re.search(r"--max-time X +.*\(recipe: 200\.0\)", text)
     assert re.search(r"--norm NAME +.*\(layernorm \| rmsnorm; recipe: rmsnorm\)", text)
@@ -148,8 +153,14 @@ def test_the_help_shows_the_recipes_values_its_shapes_and_the_defaults(capsys):
 def test_the_help_of_the_recipe_a_config_file_names(capsys, tmp_path):
     config = tmp_path / "recipe.yaml"
     config.write_text("recipe: seq2seq-copy\nn_layers: 2\n")
-    assert "Shown: recipe 'seq2seq-copy' (transformer)" in help_text(capsys, "train", "--config", str(config))
-    assert "Shown: recipe 'default' (gpt)" in help_text(capsys, "train", "--config", str(config), "--recipe", "default")
+    assert "Shown: recipe 'seq2seq-copy' (transformer)" in flat(help_text(capsys, "train", "--config", str(config)))
+    assert "Shown: recipe 'default' (gpt)" in flat(help_text(capsys, "train", "--config", str(config), "--recipe",
+                                                             "default"))
+
+
+def test_finetunes_help_shows_the_recipe_for_inits_family(capsys, run):
+    assert "Shown: recipe 'gpt-finetune' (gpt)" in flat(help_text(capsys, "finetune", "--init", str(run)))
+    assert "Shown: recipe 'bert-finetune' (bert-cls)" in flat(help_text(capsys, "finetune", "--init", "minilm"))
 
 
 @pytest.mark.parametrize("argv, message", [

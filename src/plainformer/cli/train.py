@@ -105,7 +105,7 @@ _OPTION_FLAGS: Mapping[str, Mapping[str, Any]] = {
                  "bert-cls": "which of --plays a line is from", "transformer": "--task's pairs"}),
     "val_data": dict(metavar="DATA", help="held-out validation data, as --data", default={
         "gpt": "the end of --data", "bert-cls": "a stratified 10% of --data", "transformer": "none; --data needs it"}),
-    "source_lang": dict(metavar="LANG", help="the source language, as the data names it (a suffix, a key)"),
+    "source_lang": dict(metavar="LANG", help="the source language, as the data names it"),
     "target_lang": dict(metavar="LANG", help="the target language, as the data names it"),
     "batch_tokens": dict(type=positive_int, metavar="N", help=(
         "batches of sentences of similar length, at most N tokens a side with padding, and at most "
@@ -246,15 +246,18 @@ def _add(group: argparse._ActionsContainer, key: str, help: str) -> str:
 
 
 def _shown_recipe(verb: Verb, argv: list[str]) -> str:
-    """The recipe named by --recipe (or --preset), else by the --config file, else the verb's default: the recipe
-    whose flags the help lists, refused at once when unknown or (finetune) when it trains from scratch."""
+    """The recipe named by --recipe (or --preset), else by the --config file, else (finetune) the one for --init's
+    family, else the verb's default: the recipe whose flags the help lists, refused at once when unknown or
+    (finetune) when it trains from scratch."""
     try:
         named = _RECIPE_FLAGS.parse_known_args(argv)[0]
     except argparse.ArgumentError:  # `--recipe` without a name: the verb's parser says so
-        named = argparse.Namespace(preset=None, config=None)
+        named = argparse.Namespace(preset=None, config=None, init=None)
     name = named.preset
     if name is None and named.config is not None:
         name = read_config_file(named.config).get("preset")
+    if name is None and verb.fine_tuning and named.init is not None:
+        name = _fine_tuning_preset(named.init, verb.default_recipe)
     name = name or verb.default_recipe
     check_recipe(name, verb.fine_tuning)
     return name
@@ -263,6 +266,7 @@ def _shown_recipe(verb: Verb, argv: list[str]) -> str:
 _RECIPE_FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
 _RECIPE_FLAGS.add_argument("--recipe", "--preset", dest="preset")
 _RECIPE_FLAGS.add_argument("--config", type=Path)
+_RECIPE_FLAGS.add_argument("--init")
 
 
 def check_recipe(name: str, fine_tuning: bool) -> Recipe:
