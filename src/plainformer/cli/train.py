@@ -186,9 +186,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentParser:
-    """`verb`'s parser, its help that of the recipe `argv` names (`_shown_recipe`)."""
-    name = _shown_recipe(verb, argv)
-    recipe = recipes.get(name)
+    """`verb`'s parser, its help that of the recipe `argv` names (`_shown_recipe`): the flags of every recipe, then
+    in groups what a recipe of its family takes, then, unlisted, every other recipe flag."""
+    recipe = _shown_recipe(verb, argv)
     family = families.get(recipe.family)
     fine_tuning = recipe.model is None
     parser = _Parser(prog=prog, usage=verb.usage, formatter_class=_Formatter,
@@ -197,17 +197,19 @@ def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentPars
                      epilog=_recipes_list())
     _add_run_arguments(parser, verb)
     shown = set()
+    taken = options_taken(family, fine_tuning)
     options = parser.add_argument_group("data and run options")
-    for key in options_taken(family, fine_tuning):
+    for key in taken:
         if key not in FINE_TUNING_OPTIONS:
             shown.add(_add(options, key, _option_help(key, family, recipe)))
     if fine_tuning:
         model = parser.add_argument_group(f"the model: --init's, whole or with LoRA; of its {family.config.__name__} "
                                           "fields only these")
-        for key in (*(k for k in options_taken(family, True) if k not in shown), *model_fields_taken(family, True)):
-            help = _option_help(key, family, recipe) if key in OPTIONS else \
-                _field_help(family.config, key, "default: --init's")
-            shown.add(_add(model, key, help))
+        for key in taken:
+            if key in FINE_TUNING_OPTIONS:
+                shown.add(_add(model, key, _option_help(key, family, recipe)))
+        for key in model_fields_taken(family, True):
+            shown.add(_add(model, key, _field_help(family.config, key, "default: --init's")))
     else:
         model = parser.add_argument_group(f"model: {family.config.__name__} fields (an optional one takes none)")
         for key in model_fields_taken(family, False):
@@ -245,7 +247,7 @@ def _add(group: argparse._ActionsContainer, key: str, help: str) -> str:
     return key
 
 
-def _shown_recipe(verb: Verb, argv: list[str]) -> str:
+def _shown_recipe(verb: Verb, argv: list[str]) -> Recipe:
     """The recipe named by --recipe (or --preset), else by the --config file, else (finetune) the one for --init's
     family, else the verb's default: the recipe whose flags the help lists, refused at once when unknown or
     (finetune) when it trains from scratch."""
@@ -258,9 +260,7 @@ def _shown_recipe(verb: Verb, argv: list[str]) -> str:
         name = read_config_file(named.config).get("preset")
     if name is None and verb.fine_tuning and named.init is not None:
         name = _fine_tuning_preset(named.init, verb.default_recipe)
-    name = name or verb.default_recipe
-    check_recipe(name, verb.fine_tuning)
-    return name
+    return check_recipe(name or verb.default_recipe, verb.fine_tuning)
 
 
 _RECIPE_FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
@@ -285,7 +285,7 @@ def check_recipe(name: str, fine_tuning: bool) -> Recipe:
 # ----------------------------------------------------------------------------- the help
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """The description and the list of recipes as `_paragraphs` and `_recipes_list` wrap them."""
+    """The description and the list of recipes as `verb_parser` and `_recipes_list` wrap them."""
 
 
 def _width() -> int:
