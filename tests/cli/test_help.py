@@ -5,6 +5,7 @@ recipe's flags only, each of which its resolution takes, and every flag it takes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -76,13 +77,19 @@ def test_every_help_fits_two_screens_and_every_flag_says_what_it_does(argv, caps
         [action.dest for action in shown if not (action.help and action.help.strip())]
 
 
+@pytest.mark.parametrize("config", [*model_configs(), TrainConfig])
+def test_every_config_says_in_one_line_what_each_of_its_fields_means(config):
+    assert list(config.HELP) == [field.name for field in dataclasses.fields(config)]
+    assert all(text and "\n" not in text for text in config.HELP.values())
+
+
 def _value(recipe: recipes.Recipe, key: str):
     """The recipe's value of `key` (an option, a model or TrainConfig field), else one the key takes."""
     if key in recipe.options:
         return recipe.options[key]
     if key in OPTION_VALUES:
         return OPTION_VALUES[key]
-    if key in {field.name for field in TrainConfig.__dataclass_fields__.values()}:
+    if key in {field.name for field in dataclasses.fields(TrainConfig)}:
         return getattr(recipe.train, key)
     config = recipe.model or families.get(recipe.family).config()
     return getattr(config, key, next(getattr(c(), key) for c in model_configs() if hasattr(c(), key)))

@@ -95,7 +95,8 @@ def resolve_run(given: Mapping[str, Any], *, preset: str, recipe: Any, family: F
                 resume: bool, saved: Mapping[str, Any], progress: bool,
                 fine_tuning_recipes: Sequence[str]) -> Run:
     """The run of `recipe` (a `plainformer.recipes.Recipe`, named `preset`, of `family`) with the `given`
-    values (keys: the recipe's, less preset and out) over its own, into `out`: fresh, or with `resume`
+    values (keys: the recipe's, less preset and out; a key given is given, with None too: `--sliding-window none`
+    sets the field to None whatever the recipe's value) over its own, into `out`: fresh, or with `resume`
     continued from OUT/last, whose recipe.yaml held `saved`. `fine_tuning_recipes`: the names of the
     recipes whose model comes from --init, for the messages."""
     _check_applicable(given, family, preset, recipe.model is None, fine_tuning_recipes)
