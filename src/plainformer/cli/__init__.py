@@ -1,5 +1,5 @@
 """The `plainformer` command line: verbs at the top level, the model family taken from the recipe
-(`--preset`) or from the checkpoint (`--ckpt`).
+(`--recipe`) or from the checkpoint (`--ckpt`).
 
 `train` and `eval` end by printing one JSON line of metrics on stdout. Commands whose stdout is their
 product (`sample`, `translate`, `embed`, `search`) print only that product there, and their metrics

@@ -99,7 +99,7 @@ class TrainConfig(Config):
     }
 
     # Optimizer recipes shared by several training recipes; the named recipes of every family
-    # (`plainformer train --preset NAME`) are in `plainformer.recipes`.
+    # (`plainformer train --recipe NAME`) are in `plainformer.recipes`.
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # Vaswani et al. 2017, section 5.3: Adam(0.9, 0.98, 1e-9), inverse-sqrt with 4000 warmup steps.
         "transformer-paper": dict(schedule="inverse_sqrt", lr=1.0, warmup_steps=4000,
