@@ -10,7 +10,7 @@ import torch
 
 import plainformer as pf
 from plainformer import _checks
-from plainformer.config import Config, one_of, positive_int, probability
+from plainformer.config import Config, field_choices, one_of, positive_int, probability
 from plainformer.nn.normalization import make_norm
 
 
@@ -226,6 +226,11 @@ def test_a_declared_field_keeps_its_default_and_round_trips():
     config = _ToyConfig(width=8)
     assert (_ToyConfig().width, config.replace(rate=0.5).width) == (4, 8)
     assert _ToyConfig.from_json(config.to_json()) == config
+
+
+def test_the_choices_of_a_field_are_those_it_was_declared_one_of():
+    assert field_choices(_ToyConfig, "kind") == ("a", "b")
+    assert field_choices(_ToyConfig, "width") is None and field_choices(_ToyConfig, "low") is None
 
 
 # ----------------------------------------------------------------------------- checked once

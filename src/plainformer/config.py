@@ -12,6 +12,9 @@ checked as soon as it is built, that round-trips through JSON, and that offers n
 The constraints are named as `_checks`' ranges, which the command line and the server use too
 (`probability`: [0, 1); `positive_int`: an int >= 1; `positive_number`: a finite number > 0).
 
+Each config says what its fields mean in `HELP`, one line a field: the command line's help for the flag
+that sets it (`--n-layers`), which adds the choices of a `one_of` field and the value in force.
+
 `Config` checks every field against its annotation first (bool, int, float, str, or None where the
 annotation allows it; floats finite), so that a value of the wrong type, read from a file say, is
 refused naming the field; then against its declared constraint; then runs `validate()`, which holds
@@ -78,9 +81,11 @@ def one_of(default: T, choices: Iterable[str]) -> T:
 @dataclasses.dataclass
 class Config:
     """Base class: subclasses are dataclasses that declare their fields' constraints (`positive_int`,
-    `probability`, `one_of`, ...), fill `PRESETS`, and override `validate` for rules across fields."""
+    `probability`, `one_of`, ...), say what each field means in `HELP`, fill `PRESETS`, and override
+    `validate` for rules across fields."""
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    HELP: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         config_cls: type = type(self)  # a class is hashable, whatever its instances' __hash__
@@ -156,6 +161,12 @@ def _field_checks(cls: type) -> tuple[tuple[str, tuple[type, bool] | None, tuple
 def field_checks(cls: type, name: str) -> tuple[Check, ...]:
     """The checks declared with field `name` of the config class `cls` (`positive_int(8)`'s, say)."""
     return next(checks for field, _, checks in _field_checks(cls) if field == name)
+
+
+def field_choices(cls: type, name: str) -> tuple[str, ...] | None:
+    """The values field `name` of the config class `cls` is declared `one_of`, else None."""
+    return next((tuple(check.keywords["choices"]) for check in field_checks(cls, name)
+                 if isinstance(check, functools.partial) and check.func is _checks.check_choice), None)
 
 
 def check_field_type(name: str, value: Any, kind: type, optional: bool = False) -> None:

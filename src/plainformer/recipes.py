@@ -1,6 +1,6 @@
 """Every named training recipe, for every model family, in one place.
 
-A recipe is what `plainformer train --preset NAME` runs: the model family, the model config, the
+A recipe is what `plainformer train --recipe NAME` runs: the model family, the model config, the
 `TrainConfig`, and the family's data options (tokenizer, task, sequence length, ...). Options given on
 the command line or in a `--config` file override its fields one by one.
 

@@ -93,6 +93,43 @@ def test_the_config_file_names_the_preset_and_the_command_line_wins(tmp_path):
     assert _resolve("--config", str(path), "--preset", "default").preset == "default"
 
 
+def test_recipe_names_the_recipe_and_preset_still_does_on_the_command_line_and_in_a_config_file(tmp_path):
+    assert _resolve("--recipe", "nanogpt-cpu").preset == _resolve("--preset", "nanogpt-cpu").preset == "nanogpt-cpu"
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe: nanogpt-cpu\nmax_steps: 5\n")
+    run = _resolve("--config", str(path))
+    assert run.preset == "nanogpt-cpu" and run.train_config.max_steps == 5
+    path.write_text("recipe: nanogpt-cpu\npreset: gpt2\n")
+    with pytest.raises(UserError, match=r"gives the recipe twice \(as preset and recipe\)$"):
+        _resolve("--config", str(path))
+
+
+def test_none_sets_an_optional_field_to_none_over_the_recipes_value_and_the_written_recipe_repeats_it(tmp_path):
+    default = recipes.get("default")
+    assert default.train.max_time is not None  # what none overrides
+    run = _resolve("--max-time", "none", "--no-fit-to-time", "--sliding-window", "none", "--n-kv-heads", "2")
+    assert run.train_config == default.train.replace(max_time=None, fit_to_time=False)
+    assert run.model.sliding_window is None and run.model.n_kv_heads == 2
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(run.recipe_values()))
+    again = _resolve("--config", str(path))
+    assert (again.model, again.train_config) == (run.model, run.train_config)
+    assert _resolve("--config", str(path), "--n-kv-heads", "none").model.n_kv_heads is None  # the flag wins
+    multi30k = _resolve("--recipe", "multi30k-de-en", "--attention-dropout", "none")
+    assert recipes.get("multi30k-de-en").model.attention_dropout == 0.0 and multi30k.model.attention_dropout is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n-layers", "none"], "argument --n-layers: invalid int value: 'none'"),
+    (["--sliding-window", "many"], "argument --sliding-window: invalid int or none value: 'many'"),
+    (["--norm", "batchnorm"], "argument --norm: invalid choice: 'batchnorm' (choose from 'layernorm', 'rmsnorm')"),
+])
+def test_a_field_that_is_not_optional_takes_no_none_and_a_value_is_of_the_fields_type(argv, message, capsys):
+    assert main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"plainformer: error: {message} (see `plainformer train --help`)\n"
+
+
 def _shaped_recipes() -> list[str]:
     return [name for name in recipes.names() if recipes.get(name).shapes]
 

@@ -18,7 +18,9 @@ from plainformer.families.resolve import (
     data_fields,
     model_configs,
     model_fields,
+    model_fields_taken,
     option_families,
+    options_taken,
     refuse_changes,
     resolve_run,
 )
@@ -68,6 +70,17 @@ def test_an_option_belongs_to_the_families_that_declare_it(option, owners):
     assert option_families(option) == owners
 
 
+def test_a_recipe_takes_its_familys_options_and_fields_and_a_fine_tuning_one_only_what_a_fine_tune_may_change():
+    gpt, transformer = families.get("gpt"), families.get("transformer")
+    assert options_taken(gpt, False) == ("data", "val_data", "text_field", "tokenizer", "vocab_size", "threads")
+    assert options_taken(gpt, True) == ("data", "val_data", "text_field", "threads", "init", "lora_r", "lora_alpha",
+                                        "lora_dropout", "lora_targets")
+    assert model_fields_taken(gpt, True) == ("dropout",)
+    assert "block_size" in model_fields_taken(gpt, False) and "vocab_size" not in model_fields_taken(gpt, False)
+    fields = model_fields_taken(transformer, False)
+    assert "n_encoder_layers" in fields and not {"src_vocab_size", "pad_id", "source_eos"} & set(fields)
+
+
 # ----------------------------------------------------------------------------- a fresh run
 
 def test_the_values_given_split_into_model_training_and_options_over_the_recipes(tmp_path):
@@ -78,6 +91,12 @@ def test_the_values_given_split_into_model_training_and_options_over_the_recipes
     assert run.train_config == recipe.train.replace(lr=0.01)
     assert run.options == {**recipe.options, "data": "x.txt", "threads": 3}
     assert not run.fine_tuning and run.shape_note is None
+
+
+def test_a_field_given_as_none_is_none_over_the_recipes_value(tmp_path):
+    assert recipes.get("multi30k-de-en").model.attention_dropout == 0.0
+    assert _resolve("multi30k-de-en", {"attention_dropout": None}, tmp_path).model.attention_dropout is None
+    assert _resolve("multi30k-de-en", {"max_time": None}, tmp_path).train_config.max_time is None
 
 
 def test_nothing_given_is_the_recipe_itself(tmp_path):

@@ -1,5 +1,5 @@
 """The `plainformer` command line: verbs at the top level, the model family taken from the recipe
-(`--preset`) or from the checkpoint (`--ckpt`).
+(`--recipe`) or from the checkpoint (`--ckpt`).
 
 `train` and `eval` end by printing one JSON line of metrics on stdout. Commands whose stdout is their
 product (`sample`, `translate`, `embed`, `search`) print only that product there, and their metrics
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -31,7 +32,7 @@ import torch
 
 from .. import _checks, families
 from .._version import __version__
-from ..config import Config, field_checks
+from ..config import Config, field_checks, field_choices
 from ..errors import UserError
 from ..families.family import Family, run_or_checkpoint_holding
 from ..launch import is_main_process, launch_from_env
@@ -134,9 +135,8 @@ def add_max_memory_argument(parser: argparse.ArgumentParser) -> None:
     """--max-memory SIZE: the bytes the command may use, in place of the machine's available memory
     (families/memory_estimates.py), which every size is checked against before memory is spent."""
     parser.add_argument("--max-memory", type=_max_memory, metavar="SIZE", help=(
-        "the memory this command may use, e.g. 64GB or 512MiB, in place of what the machine has available "
-        "(RAM, and RLIMIT_AS when set), at most its RAM and swap: a model, a batch or a beam whose estimate "
-        "exceeds it is refused before memory is spent"))
+        "the memory the command may use, e.g. 64GB (default: what is available: RAM, RLIMIT_AS); what is "
+        "estimated to need more is refused before memory is spent"))
 
 
 def _max_memory(text: str) -> int:
@@ -150,19 +150,51 @@ def _max_memory(text: str) -> int:
     return size
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, shorter: `--[no-]bias` for a flag and its negation, a metavar once after all of a flag's
+    names (`--recipe, --preset NAME`), the help of a flag up to 24 characters long beside it."""
+
+    def __init__(self, prog: str, max_help_position: int = 28, **kwargs: Any):
+        super().__init__(prog, max_help_position=max_help_position, **kwargs)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return action.option_strings[0].replace("--", "--[no-]", 1)
+        names = ", ".join(action.option_strings)
+        if action.nargs == 0:
+            return names
+        return f"{names} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse's mistakes as one line `plainformer: error: ...`, like every other user error."""
+    """argparse's mistakes as one line `plainformer: error: ...`, like every other user error.
+
+    A verb whose flags depend on one of them (`train`'s on the recipe) gives `build`: each parse, --help
+    included, is then that of the parser `build` makes for the arguments at hand."""
+
+    build: Callable[[list[str]], argparse.ArgumentParser] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
     def error(self, message: str) -> typing.NoReturn:
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
-    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         """As argparse's, but arguments left over are an error of this parser, so that a command's
         stray argument points to that command's --help (argparse reports them at the top)."""
-        parsed, extras = super().parse_known_args(*args, **kwargs)
+        if self.build is not None:
+            args = list(sys.argv[1:] if args is None else args)
+            return self.build(args).parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed, extras
+
+    def format_help(self) -> str:
+        return self.build([]).format_help() if self.build is not None else super().format_help()
 
 
 def utf8_text(raw: bytes, what: str) -> str:
@@ -205,35 +237,53 @@ def _option_type(annotation: Any) -> type:
     return arguments[0] if arguments else annotation
 
 
+def _annotation(config_cls: type[Config], name: str) -> Any:
+    """The type of field `name` of `config_cls` (typing's hints, resolved once per class)."""
+    cls: type = config_cls  # a class is hashable, whatever its instances' __hash__
+    return _type_hints(cls)[name]
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def field_type(config_cls: type[Config], name: str) -> type:
-    return _option_type(typing.get_type_hints(config_cls)[name])
+    return _option_type(_annotation(config_cls, name))
 
 
-def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                         config_cls: type[Config], *, skip: Iterable[str] = (), title: str | None = None,
-                         help: Callable[[str], str | None] = lambda name: None) -> list[str]:
-    """One option per config field, `--n-layers` for `n_layers`, defaulting to "not given"; returns
-    the fields added. Given a group, the options go into it; given a parser, into a new group.
+@dataclasses.dataclass(frozen=True)
+class OrNone:
+    """The argparse type of an optional config field: `none` is None, the field set back to none whatever the
+    recipe's value; any other text a `kind`."""
 
-    The value then comes from the preset unless the option is given, so the CLI maps 1:1 onto the
-    config. Booleans take `--bias/--no-bias`.
-    """
-    group = parser if isinstance(parser, argparse._ArgumentGroup) else \
-        parser.add_argument_group(title or f"{config_cls.__name__} fields")
-    added = []
-    for field in dataclasses.fields(config_cls):
-        if field.name in skip:
-            continue
-        kind = field_type(config_cls, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help(field.name))
-        else:
-            group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=kind.__name__.upper(),
-                               help=help(field.name))
-        added.append(field.name)
-    return added
+    kind: type
+
+    @property
+    def __name__(self) -> str:  # argparse's "invalid int or none value: 'x'"
+        return f"{self.kind.__name__} or none"
+
+    def __call__(self, text: str) -> Any:
+        return None if text.lower() == "none" else self.kind(text)
+
+
+#: The metavar of a config field's flag, by its scalar type.
+_METAVARS = {int: "N", float: "X", str: "NAME"}
+
+
+def config_flag(config_cls: type[Config], name: str) -> dict[str, Any]:
+    """The argparse keywords (all but help) of the flag of field `name` of `config_cls`, `--n-layers` for
+    `n_layers`: a bool is `--bias/--no-bias`, an optional field takes `none` too (`OrNone`), a `one_of` field
+    its choices. The value is checked by the config when it is built; the CLI maps 1:1 onto the fields."""
+    kind = field_type(config_cls, name)
+    if kind is bool:
+        return dict(action=argparse.BooleanOptionalAction)
+    optional = type(None) in typing.get_args(_annotation(config_cls, name))
+    flag: dict[str, Any] = dict(type=OrNone(kind) if optional else kind, metavar=_METAVARS[kind])
+    choices = field_choices(config_cls, name)
+    if choices is not None:
+        flag["choices"] = choices
+    return flag
 
 
 def build_parser() -> argparse.ArgumentParser:

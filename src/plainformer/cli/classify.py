@@ -36,7 +36,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Label each TEXT, else each line of --input, else each line of stdin (a line with a tab: "
                     "a sentence pair). Prints the label and its probability per line, in input order, or with "
                     "--json one object per line with every class's probability. Metrics go to stderr.")
-    parser.add_argument("texts", nargs="*", metavar="TEXT")
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="a text to label; a tab in it makes a sentence pair "
+                                                                 "(default: --input, else stdin)")
     parser.add_argument("--ckpt", type=Path, required=True, help=CKPT_HELP)
     parser.add_argument("--input", type=Path, metavar="FILE", help="a UTF-8 file, one text (or tab-separated "
                                                                   "pair) per line (default: stdin)")

@@ -9,7 +9,8 @@ The file is bounded before it is parsed: at most MAX_BYTES (a recipe.yaml is abo
 aliases (`*name`, which repeat a node without writing it again, so that a few lines can stand for billions
 of values) are refused wherever they stand. A number is written as one: a quoted string is not taken for a
 number (`dropout: '0.1'` is refused as `n_layers: abc` is), and YAML reads `1e-3` as the float it is, as
-YAML 1.2 and JSON do (YAML 1.1 wants `1.0e-3`).
+YAML 1.2 and JSON do (YAML 1.1 wants `1.0e-3`). A null is a key not given, but where the flag takes `none`
+(an optional field's, `OrNone`): there it is None, the field set back to none, as in a run's recipe.yaml.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import check_field_type
-from . import NUMBER_TYPES, UserError, utf8_text
+from . import NUMBER_TYPES, OrNone, UserError, utf8_text
 
 #: Each key a file may give -> the argparse keywords of its flag: `type` a class (bool, int, float,
 #: str, Path: the value must be one) or a parser of text (argparse's `type`, given the value as text,
@@ -76,7 +77,8 @@ def read_config_file(path: Path, flags: Flags, command: str) -> dict[str, Any]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise UserError(f"unknown key {key!r} in {path}{hint}; the keys are the flags of "
                             f"`{command} --help`")
-    return {key: _typed(key, value, path, flags[key]) for key, value in values.items() if value is not None}
+    return {key: _typed(key, value, path, flags[key]) for key, value in values.items()
+            if value is not None or isinstance(flags[key].get("type"), OrNone)}
 
 
 def _first_repeated(keys: list[Any]) -> Any:
@@ -136,6 +138,10 @@ def _typed(key: str, value: Any, path: Path, flag: Mapping[str, Any]) -> Any:
     """A file's value as the flag would parse it: paths from strings, each of the flag's type (a number
     written as one, not as a string), choices checked."""
     kind = flag.get("type")
+    if isinstance(kind, OrNone):  # an optional field's: null is None, the field set back to none
+        if value is None:
+            return None
+        kind = kind.kind
     if kind is not None and not isinstance(kind, type):  # a parser of text checks the range too
         if isinstance(value, str) and kind in NUMBER_TYPES:
             raise UserError(f"{key} in {path} must be a number, got the string {value!r}")

@@ -43,7 +43,7 @@ def _register_embed(subcommands: argparse._SubParsersAction) -> None:
         description="Embed each TEXT (or each line of stdin when none is given): mean-pooled, "
                     "L2-normalised BERT outputs. Prints one JSON array per input, or writes an (N, d) "
                     "matrix with --npy. Metrics go to stderr (or end stdout with --json).")
-    parser.add_argument("texts", nargs="*", metavar="TEXT")
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="a text to embed (default: each line of stdin)")
     add_encoder_arguments(parser)
     parser.add_argument("--npy", type=Path, metavar="FILE",
                         help="write the (N, d) embeddings to this .npy file instead of stdout")

@@ -40,8 +40,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="share of the characters held out (default: %(default)s)")
     parser.add_argument("--cache-dir", type=Path, help="default: $PLAINFORMER_CACHE or ~/.cache/plainformer")
     parallel = parser.add_argument_group(
-        "translation: parallel data (--data PREFIX of PREFIX.SRC and PREFIX.TGT, plain or .gz, a two-column .tsv "
-        "or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}; --val-data in the same forms)")
+        "translation: parallel data", "--data PREFIX of PREFIX.SRC and PREFIX.TGT, plain or .gz, a two-column .tsv "
+        "or a .jsonl of {\"translation\": {SRC: ..., TGT: ...}}; --val-data in the same forms")
     parallel.add_argument("--source-lang", metavar="LANG", help="the source language (de): prepares parallel data")
     parallel.add_argument("--target-lang", metavar="LANG", help="the target language (en)")
     parallel.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB,

@@ -64,10 +64,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="end a sample where it writes STRING (not printed); repeatable")
     parser.add_argument("--separator", default="---", metavar="LINE",
                         help="the line between samples (default: ---)")
-    parser.add_argument("--max-new-tokens", type=non_negative_int, default=500)
+    parser.add_argument("--max-new-tokens", type=non_negative_int, default=500, metavar="N",
+                        help="tokens to draw after the prompt, at most (default: %(default)s)")
     parser.add_argument("--temperature", type=non_negative_number, default=0.8, help="0 = greedy (default: 0.8)")
-    parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=mass, default=None)
+    parser.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                        help="draw from the K most likely tokens only (default: all)")
+    parser.add_argument("--top-p", type=mass, default=None, metavar="P",
+                        help="nucleus: draw from the fewest most likely tokens whose probability reaches P "
+                             "(default: 1, all)")
     parser.add_argument("--seed", type=seed_int, default=1337, help="of the first sample; sample i uses SEED+i")
     parser.add_argument("--no-cache", action="store_true", help="recompute the context at each step")
     add_max_memory_argument(parser)

@@ -27,7 +27,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Rank the non-empty lines of --corpus by cosine similarity of their sentence "
                     "embeddings to QUERY's; prints the top K as `score<TAB>line`. The corpus "
                     "embeddings are cached, keyed by the file's and the model's contents.")
-    parser.add_argument("query", metavar="QUERY")
+    parser.add_argument("query", metavar="QUERY", help="the text whose nearest lines to find")
     parser.add_argument("--corpus", type=Path, required=True, help="UTF-8 text file, one entry per line")
     parser.add_argument("--k", type=positive_int, default=5, help="how many lines to show (default: 5)")
     parser.add_argument("--cache-dir", type=Path,

@@ -60,6 +60,22 @@ def model_fields() -> dict[str, list[type[Config]]]:
     return owners
 
 
+def options_taken(family: Family, fine_tuning: bool) -> tuple[str, ...]:
+    """The data and run options a recipe of `family` takes: --init and LoRA's only when it fine-tunes
+    (`fine_tuning`: its model comes from --init), and then not the tokenizer's, which is --init's."""
+    refused = ("tokenizer", "vocab_size") if fine_tuning else FINE_TUNING_OPTIONS
+    return tuple(name for name in family.options if name not in refused)
+
+
+def model_fields_taken(family: Family, fine_tuning: bool) -> tuple[str, ...]:
+    """The model fields a recipe of `family` takes: when it fine-tunes, the family's `finetune_fields` (the
+    shape is --init's); else every field of its config that the data does not decide."""
+    if fine_tuning:
+        return family.finetune_fields
+    return tuple(field.name for field in dataclasses.fields(family.config)
+                 if field.name not in family.data_fields and field.name not in RECIPE_OPTIONS)
+
+
 def refuse_changes(what: str, saved: Mapping[str, Any], given: Mapping[str, Any]) -> None:
     """--resume continues the saved run: a given value that differs from the saved one is an error."""
     changed = sorted(k for k, v in given.items() if k in saved and plain({k: saved[k]}) != plain({k: v}))
@@ -79,14 +95,15 @@ def resolve_run(given: Mapping[str, Any], *, preset: str, recipe: Any, family: F
                 resume: bool, saved: Mapping[str, Any], progress: bool,
                 fine_tuning_recipes: Sequence[str]) -> Run:
     """The run of `recipe` (a `plainformer.recipes.Recipe`, named `preset`, of `family`) with the `given`
-    values (keys: the recipe's, less preset and out) over its own, into `out`: fresh, or with `resume`
+    values (keys: the recipe's, less preset and out; a key given is given, with None too: `--sliding-window none`
+    sets the field to None whatever the recipe's value) over its own, into `out`: fresh, or with `resume`
     continued from OUT/last, whose recipe.yaml held `saved`. `fine_tuning_recipes`: the names of the
     recipes whose model comes from --init, for the messages."""
     _check_applicable(given, family, preset, recipe.model is None, fine_tuning_recipes)
     if recipe.model is None and not resume and not (given.get("init") or recipe.options.get("init")):
         raise UserError(f"preset {preset!r} fine-tunes the model of --init MODEL: give it")
     model_given, train_given, options_given = _split(given, family)
-    if recipe.model is None and set(model_given) - set(family.finetune_fields):
+    if recipe.model is None and set(model_given) - set(model_fields_taken(family, True)):
         raise UserError(f"fine-tuning keeps the shape of --init; of the model fields only "
                         f"{', '.join(family.finetune_fields)} may be given, got {', '.join(sorted(model_given))}")
     if resume:
@@ -104,15 +121,19 @@ def resolve_run(given: Mapping[str, Any], *, preset: str, recipe: Any, family: F
 
 def _check_applicable(given: Mapping[str, Any], family: Family, preset: str, fine_tuning: bool,
                       fine_tuning_recipes: Sequence[str]) -> None:
+    """A UserError for the first key of `given` that a recipe of `family` takes in no case: an option it does not
+    take (`options_taken`), or a field its config lacks. A model field outside a fine-tuning recipe's
+    `model_fields_taken` is refused by `resolve_run`, naming all of them."""
+    options = options_taken(family, fine_tuning)
     fields = {f.name for f in dataclasses.fields(family.config)}
     for key in given:
-        if key in RECIPE_OPTIONS and key not in family.options:
-            raise UserError(f"--{key.replace('_', '-')} applies to {', '.join(option_families(key))} "
-                            f"recipes, not to {preset!r} ({family.name})")
-        if key in FINE_TUNING_OPTIONS and not fine_tuning:
-            raise UserError(f"--{key.replace('_', '-')} applies to the fine-tuning recipes "
-                            f"({', '.join(fine_tuning_recipes)}), not to {preset!r}, which trains from scratch")
-        if key in ("tokenizer", "vocab_size") and fine_tuning:
+        if key in RECIPE_OPTIONS and key not in options:
+            if key not in family.options:
+                raise UserError(f"--{key.replace('_', '-')} applies to {', '.join(option_families(key))} "
+                                f"recipes, not to {preset!r} ({family.name})")
+            if key in FINE_TUNING_OPTIONS:
+                raise UserError(f"--{key.replace('_', '-')} applies to the fine-tuning recipes "
+                                f"({', '.join(fine_tuning_recipes)}), not to {preset!r}, which trains from scratch")
             raise UserError(f"--{key.replace('_', '-')} does not apply to fine-tuning ({preset!r}): the "
                             "tokenizer is --init's")
         if key in model_fields() and key not in fields:

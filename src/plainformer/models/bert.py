@@ -68,6 +68,24 @@ class BertConfig(Config):
     init_std: float = positive_number(0.02)
     label_names: tuple[str, ...] | None = checked(None, _check_label_names)
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "vocab_size": "wordpieces in the vocabulary (the tokenizer's)",
+        "max_len": "positions: the longest text in tokens",
+        "type_vocab_size": "token types (segments A and B of a pair)",
+        "n_layers": "encoder layers",
+        "n_heads": "attention heads",
+        "d_model": "width of the residual stream",
+        "d_ff": "hidden width of the feed-forward",
+        "dropout": "dropout of embeddings and sublayer outputs",
+        "attention_dropout": "dropout of the attention weights",
+        "norm_eps": "ε of the LayerNorms",
+        "activation": "the FFN's",
+        "backend": "the attention kernel",
+        "pad_id": "the padding token (the tokenizer's)",
+        "n_labels": "a classifier's classes (the data's)",
+        "init_std": "standard deviation of the initial weights",
+        "label_names": "a classifier's class names, in id order (the data's)",
+    }
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # BERT-base (Devlin et al. 2019, section 3): 110M parameters.
         "base": dict(vocab_size=30522, max_len=512, n_layers=12, n_heads=12, d_model=768, d_ff=3072),

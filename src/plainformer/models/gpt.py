@@ -124,6 +124,43 @@ class GPTConfig(Config):
     token_shift: bool = False
     bigram_embedding: bool = False
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "vocab_size": "tokens in the vocabulary (the tokenizer's)",
+        "block_size": "the context: positions a row holds",
+        "n_layers": "blocks",
+        "n_heads": "attention heads",
+        "n_kv_heads": "key/value heads (grouped-query attention); none: n_heads",
+        "d_model": "width of the residual stream",
+        "d_ff": "hidden width of the FFN, each expert's",
+        "dropout": "dropout of the embeddings, attention and sublayers",
+        "bias": "biases in the linear layers and norms",
+        "pos_encoding": "how positions enter",
+        "norm": "the blocks' and the final norm",
+        "activation": "the FFN's",
+        "tie_weights": "the output projection is the token embedding",
+        "backend": "the attention kernel",
+        "rope_base": "RoPE's base b: θ_i = b^(-2i/d)",
+        "norm_eps": "ε of the norms",
+        "qk_norm": "RMSNorm of each head's q and k",
+        "attn_softcap": "attention scores s -> c·tanh(s/c); none: off",
+        "sliding_window": "attend to the last N positions only; none: all",
+        "n_experts": "experts of a MoE layer; 0: every feed-forward dense",
+        "top_k": "experts active per token",
+        "n_shared_experts": "experts every token goes through besides",
+        "moe_every": "every N-th block after the dense ones is MoE",
+        "first_dense_layers": "leading blocks that stay dense",
+        "capacity_factor": "an expert takes at most cf·T·K/E tokens; none: all",
+        "bias_update_rate": "aux-loss-free balancing's step u; 0: off",
+        "aux_loss_coef": "weight of the load-balancing loss",
+        "z_loss_coef": "weight of the router z-loss",
+        "logit_softcap": "logits z -> c·tanh(z/c); none: off",
+        "zero_init": "W_o, W_2 and the head start at 0; needs no tie_weights",
+        "embed_norm": "h_0 = RMSNorm(h_0)",
+        "x0_mix": "x <- a_l·x + b_l·h_0 at each block's input",
+        "value_residual": "v_l <- λ_l·v_l + (1 - λ_l)·v_1 from layer 2",
+        "token_shift": "e_t <- e_t + σ(g) ⊙ E[x_(t-1)]",
+        "bigram_embedding": "e_t <- e_t + B[x_(t-1)·V + x_t]",
+    }
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # nanoGPT's CPU recipe for Shakespeare characters (its README, "I only have a macbook").
         "nanogpt-cpu": dict(block_size=64, n_layers=4, n_heads=4, d_model=128, d_ff=512, dropout=0.0),

@@ -78,6 +78,31 @@ class TransformerConfig(Config):
     source_eos: bool = False  # each source ends with eos_id (fairseq's and Marian's convention)
     backend: str = one_of("auto", BACKENDS)
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "src_vocab_size": "tokens of the source vocabulary (the tokenizer's)",
+        "tgt_vocab_size": "tokens of the target vocabulary (the tokenizer's)",
+        "n_layers": "layers of the encoder and of the decoder",
+        "n_encoder_layers": "layers of the encoder; none: n_layers",
+        "n_decoder_layers": "layers of the decoder; none: n_layers",
+        "n_heads": "attention heads",
+        "n_kv_heads": "key/value heads (grouped-query attention); none: n_heads",
+        "d_model": "width of the residual stream, even",
+        "d_ff": "hidden width of the feed-forward",
+        "dropout": "dropout of embeddings and sublayer outputs",
+        "attention_dropout": "dropout of the attention weights; none: dropout",
+        "activation_dropout": "dropout of the feed-forward's hidden layer; none: dropout",
+        "activation": "the FFN's",
+        "norm_first": "pre-LN: x + F(LN(x)); else the paper's post-LN",
+        "share_embeddings": "one embedding for source and target tokens",
+        "tie_weights": "the output projection is the target embedding",
+        "max_len": "positions: the longest sentence in tokens",
+        "label_smoothing": "ε of label smoothing",
+        "pad_id": "the padding token (the tokenizer's)",
+        "bos_id": "the token that starts a target (the tokenizer's)",
+        "eos_id": "the token that ends a sentence (the tokenizer's)",
+        "source_eos": "each source ends with eos_id (the tokenizer's)",
+        "backend": "the attention kernel",
+    }
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # Table 3 of the paper: the base model (65M parameters) and the big one (213M).
         "base": dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),

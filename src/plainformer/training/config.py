@@ -66,8 +66,40 @@ class TrainConfig(Config):
     parallel: str = one_of("auto", PARALLEL)
     tensorboard: bool = False
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "max_steps": "optimizer steps to train",
+        "batch_size": "rows of a micro-batch, per process",
+        "grad_accum_steps": "micro-batches per optimizer step",
+        "lr": "peak learning rate; inverse_sqrt: its formula's factor",
+        "min_lr": "where the cosine or linear decay ends",
+        "warmup_steps": "steps of linear warmup to lr",
+        "schedule": "the learning rate's schedule",
+        "decay_steps": "the step the decay reaches min_lr at; none: max_steps",
+        "schedule_d_model": "inverse_sqrt's d_model; none: the model's",
+        "weight_decay": "AdamW's decoupled weight decay",
+        "optimizer": "muon: Muon for the blocks' matrices, AdamW for the rest",
+        "muon_lr": "Muon's peak learning rate, on the same schedule",
+        "beta1": "Adam's β1",
+        "beta2": "Adam's β2",
+        "eps": "Adam's ε",
+        "grad_clip": "clip the gradients' global norm to this; 0: off",
+        "eval_interval": "steps between evaluations; 0: at the end only",
+        "eval_batches": "validation batches an evaluation reads",
+        "eval_batch_size": "rows of a validation batch; none: batch_size",
+        "log_interval": "steps between log lines",
+        "save_interval": "steps between saves of last/; 0: at the end only",
+        "keep_checkpoints": "keep the last N saves' weights in OUT/checkpoints",
+        "dtype": "auto: bfloat16 autocast where its matmuls are fast",
+        "seed": "seed of the weights, the batches and dropout",
+        "max_time": "stop gracefully at X wall-clock seconds; none: never",
+        "fit_to_time": "fit max_steps to max_time at the speed measured",
+        "compile": "torch.compile the model",
+        "parallel": "under torchrun; auto: DDP with several processes",
+        "tensorboard": "write TensorBoard scalars to OUT/tensorboard",
+    }
+
     # Optimizer recipes shared by several training recipes; the named recipes of every family
-    # (`plainformer train --preset NAME`) are in `plainformer.recipes`.
+    # (`plainformer train --recipe NAME`) are in `plainformer.recipes`.
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         # Vaswani et al. 2017, section 5.3: Adam(0.9, 0.98, 1e-9), inverse-sqrt with 4000 warmup steps.
         "transformer-paper": dict(schedule="inverse_sqrt", lr=1.0, warmup_steps=4000,
