@@ -95,6 +95,7 @@ class TransformerConfig(Config):
         "norm_first": "pre-LN: x + F(LN(x)); else the paper's post-LN",
         "share_embeddings": "one embedding for source and target tokens",
         "tie_weights": "the output projection is the target embedding",
+        "output_bias": "a bias on the output logits (Marian's final_logits_bias)",
         "max_len": "positions: the longest sentence in tokens",
         "label_smoothing": "ε of label smoothing",
         "pad_id": "the padding token (the tokenizer's)",
