@@ -11,7 +11,7 @@ schedule has annealed when its time is up. Evaluation happens only for the plan 
 (eval_interval 0), on the recipe's fixed validation batches, and is counted in the budget.
 With `--steps N` every variant trains N steps instead (its schedule ends there): changes that leave the
 step's cost alone (a schedule, a rate) then compare without the machine's speed drifting between runs.
-`--shape` starts every variant from one of the recipe's shapes (README, "Choosing the default") rather than
+`--shape` starts every variant from one of the recipe's shapes (docs/guide.md, "Choosing the default") rather than
 the preset's 4 x 256.
 The figure of merit is the validation loss at the end (lower is better) on every token of the validation split
 (the trainer's own estimate, on the recipe's 40 batches, is printed too); tokens/s is the trainer's.

@@ -9,7 +9,7 @@
    digit and a comma); then the time headless Chromium takes from navigation to the drawn head view,
    and to the drawn model view (every layer x head), median of `--repeats` loads, against the 2 s
    target (ratio = ours / target).
-2. `--screenshot PNG --ckpt RUN`: the page of a trained run (the README's picture) with one token
+2. `--screenshot PNG --ckpt RUN`: the page of a trained run (the guide's picture) with one token
    hovered, written by the browser the tests use (tests/reference/browser.py).
 Output: a table, then one JSON line with every figure.
 """
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--screenshot", type=Path, help="write the README's picture here (needs --ckpt)")
+    parser.add_argument("--screenshot", type=Path, help="write the guide's picture here (needs --ckpt)")
     parser.add_argument("--ckpt", type=Path, help="a trained GPT run or checkpoint for --screenshot")
     parser.add_argument("--hover", type=int, default=18, help="the token hovered in the screenshot")
     args = parser.parse_args(argv)

@@ -102,7 +102,7 @@ _SYMBOL_TRAINING = TrainConfig(
     beta2=0.98, eps=1e-9, weight_decay=0.0, grad_clip=0.0, eval_interval=0, save_interval=0,
     eval_batches=4, log_interval=50)
 
-# The `default` GPT's recipe, chosen by experiment (README, "Choosing the default"): Muon for the blocks'
+# The `default` GPT's recipe, chosen by experiment (docs/guide.md, "Choosing the default"): Muon for the blocks'
 # matrices at batch 16, as many steps as end by DEFAULT_TRAINING_SECONDS on the machine at hand; the
 # validation estimate reads 40 batches of 16 rows (81,920 tokens). It evaluates every 1,000 steps (besides the
 # planner's one and the last): every 200 cost 11 of a 203 s run's seconds (issue 38: outside the steps <= 5%).
@@ -151,12 +151,12 @@ _SST2_TRAINING = TrainConfig(
 _RECIPES = [
     dataclasses.replace(
         _gpt("default", "GPT, 3.2M parameters (0.6M on a slower CPU), character-level Shakespeare in under 5 "
-                        "minutes on 2 cores (README, 'Choosing the default')",
+                        "minutes on 2 cores (docs/guide.md, 'Choosing the default')",
              max_steps=5000, max_time=DEFAULT_TRAINING_SECONDS, fit_to_time=True, **_DEFAULT_TRAINING),
         shapes=_DEFAULT_SHAPES),
     # The same recipe for a fixed number of steps (about the default's on 2 cores), so that the sparse
     # model compares with the dense one step for step.
-    _gpt("moe", "the default GPT with 8 SwiGLU experts of half the width, 2 active per token (README, "
+    _gpt("moe", "the default GPT with 8 SwiGLU experts of half the width, 2 active per token (docs/guide.md, "
                 "'Mixture of Experts')", max_steps=400, **_DEFAULT_TRAINING),
     _gpt("nanogpt-cpu", "nanoGPT's CPU recipe for Shakespeare characters (its README, "
                         "'I only have a macbook')",

@@ -76,7 +76,7 @@ from ..nn.shortcuts import EmbeddingShortcut, ValueResidual
 from .family_model import FamilyModel
 
 POSITION_ENCODINGS = ("alibi", "learned", "rope", "sinusoidal")
-# The variants' fields (the module docstring's table; README's), each off by default; pos_encoding="alibi" is one too.
+# The variants' fields (the module docstring's table; the guide's), each off by default; pos_encoding="alibi" too.
 VARIANTS = ("qk_norm", "attn_softcap", "sliding_window", "logit_softcap", "zero_init", "embed_norm", "x0_mix",
             "value_residual", "token_shift", "bigram_embedding")
 
@@ -101,7 +101,7 @@ class GPTConfig(Config):
     backend: str = one_of("auto", BACKENDS)
     rope_base: float = greater_than(10000.0, 1)
     norm_eps: float = positive_number(1e-5)
-    # Attention variants, each off by default (nn/attention.py's VariantAttention): see the README's table.
+    # Attention variants, each off by default (nn/attention.py's VariantAttention): see docs/guide.md's table.
     qk_norm: bool = False
     attn_softcap: float | None = positive_number(None)
     sliding_window: int | None = positive_int(None)
@@ -115,7 +115,7 @@ class GPTConfig(Config):
     bias_update_rate: float = non_negative_number(0.0)
     aux_loss_coef: float = non_negative_number(0.01)
     z_loss_coef: float = non_negative_number(0.001)
-    # The block variants of issue 49 (the module docstring; README's table), each off by default.
+    # The block variants of issue 49 (the module docstring; docs/guide.md's table), each off by default.
     logit_softcap: float | None = positive_number(None)
     zero_init: bool = False
     embed_norm: bool = False
@@ -170,7 +170,7 @@ class GPTConfig(Config):
         # GPT-2 small, 124M parameters.
         "gpt2": dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768,
                      d_ff=3072, dropout=0.1, bias=True, activation="gelu_tanh"),
-        # The best model found for ~5 minutes on 2 CPU cores: see README, "Choosing the default".
+        # The best model found for ~5 minutes on 2 CPU cores: see docs/guide.md, "Choosing the default".
         "default": dict(block_size=128, n_layers=4, n_heads=4, d_model=256, d_ff=688, dropout=0.0,
                         pos_encoding="rope", norm="rmsnorm", activation="swiglu"),
         # "default" with 8 SwiGLU experts of half its width, top-2: the same active FFN size per token.
