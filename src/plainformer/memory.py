@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from . import _checks
 
@@ -286,11 +287,23 @@ def footprint(model_class: Any, config: Any) -> Footprint:
     built, times = model_class.shallow(config)
     token = _counting.set(True)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _NoNormalInit():
             model = model_class(built)
     finally:
         _counting.reset(token)
     return count(model, times)
+
+
+class _NoNormalInit(TorchFunctionMode):
+    """`nn.init.normal_` and `Tensor.normal_` as no-ops, for a build on the meta device, whose tensors hold no
+    values to draw: torch's meta `normal_` is a Python decomposition whose first call imports torch._dynamo,
+    over a second of a command's start (the other initialisers run natively; a model that computes a table at
+    build, RoPE's or the sinusoids', still pays it for its arithmetic on meta tensors)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.init.normal_ or func is torch.Tensor.normal_:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def counting() -> bool:

@@ -10,9 +10,10 @@ from plainformer.cli import main
 from plainformer.families import resolve as families_resolve
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory) -> Path:
-    """The `default` preset (Llama-shaped, char tokenizer) trained 3 steps on the bundled corpus."""
+    """The `default` preset (Llama-shaped, char tokenizer) trained 3 steps on the bundled corpus, once for the
+    command-line tests a worker runs (they read it; a test that changes a run copies it first)."""
     out = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLAINFORMER_CACHE", str(out / "cache"))

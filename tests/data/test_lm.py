@@ -550,7 +550,7 @@ def test_a_preparation_killed_midway_is_done_again(tmp_path):
     import sys
 
     path = write_corpus(tmp_path / "c.txt", random_documents([3_000] * 20, seed=12))
-    env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[2]), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(path), str(tmp_path / "cache")],
                              stdout=subprocess.PIPE, text=True, env=env)
     try:

@@ -4,8 +4,11 @@ attention and export from the run; resume; a base that changed; a BERT classifie
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,15 +32,26 @@ def _text(tmp_path: Path, name: str, line: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def trained_base(tmp_path_factory) -> Path:
+    """A `default` GPT trained for a few steps on one text, once for the module."""
+    tmp = tmp_path_factory.mktemp("trained")
+    corpus = _text(tmp, "corpus.txt", "ACT I. To be, or not to be, that is the question")
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()) as err:
+        patch.setenv("PLAINFORMER_CACHE", str(tmp / "cache"))
+        code = main(["train", "--preset", "default", "--data", str(corpus), "--out", str(tmp / "base"),
+                     "--max-steps", "6", "--no-fit-to-time", *TINY_MODEL, *TINY_TRAINING])
+    assert code == 0, err.getvalue()
+    return tmp / "base"
+
+
 @pytest.fixture()
-def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> Path:
-    """A `default` GPT trained for a few steps on one text."""
+def base(trained_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The trained base, a copy of its own in tmp_path/base (a test may train it on or move it); the data cache in
+    tmp_path/cache."""
     monkeypatch.setenv("PLAINFORMER_CACHE", str(tmp_path / "cache"))
-    corpus = _text(tmp_path, "corpus.txt", "ACT I. To be, or not to be, that is the question")
-    code, _, _ = run_cli(capsys, "train", "--preset", "default", "--data", str(corpus), "--out",
-                         str(tmp_path / "base"), "--max-steps", "6", "--no-fit-to-time", *TINY_MODEL, *TINY_TRAINING)
-    assert code == 0
-    return tmp_path / "base"
+    return Path(shutil.copytree(trained_base, tmp_path / "base"))
 
 
 @pytest.fixture()

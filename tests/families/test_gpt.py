@@ -256,7 +256,8 @@ def test_user_errors_exit_2_with_one_line(capsys, text_file: Path, argv: list[st
 
 def test_help_and_version():
     for flag in ("--help", "--version"):
-        result = subprocess.run([sys.executable, "-m", "plainformer", flag], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "plainformer", flag], capture_output=True, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0 and "plainformer" in result.stdout
 
 

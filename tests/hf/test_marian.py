@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -190,7 +191,7 @@ def test_ctranslate2_converts_the_export_and_its_greedy_output_equals_ours(model
         pytest.skip(f"{converter} is absent: CTranslate2's converter comes with `pip install ctranslate2`")
     out = tmp_path / "ct2"
     subprocess.run([str(converter), "--model", str(exported), "--output_dir", str(out)], check=True,
-                   capture_output=True)
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert json.loads((out / "config.json").read_text())["add_source_eos"] is False
     translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32", intra_threads=1)
     pieces = [model.tokenizer.pieces(text) + ["</s>"] for text in test2016]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -196,7 +197,8 @@ def test_importing_and_running_needs_no_triton():
               "q = torch.randn(1, 2, 5, 4, requires_grad=True)\n"
               "flash_attention(q, q, q, is_causal=True).sum().backward()\n"
               "assert torch.isfinite(q.grad).all()\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
 
 

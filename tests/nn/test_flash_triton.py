@@ -33,8 +33,9 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="triton was import
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already interprets the kernels")
 def test_kernels_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    # -n 0: this one file in the child itself, not in workers of its own beside the suite's
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

@@ -2,7 +2,8 @@
 event and [DONE] and exits 0 within seconds; connections that stay silent, or send half a request, are
 timed out, and one past --max-connections is refused with a 503; the open-file limit is raised to its hard
 limit, and accept() failing for want of files is logged once with a count; a port in use, a model that
-is not there, or a missing extra are one line and status 2."""
+is not there, or a missing extra are one line and status 2 (the refusals at start run one after another in
+one child process, each with its own stdout and stderr: an interpreter and torch started once, not per case)."""
 
 from __future__ import annotations
 
@@ -168,34 +169,90 @@ def test_the_file_limit_is_raised_and_accept_failing_is_one_line_with_a_count(ru
     assert len(lines) == 2 and int(lines[1].rpartition("again ")[2].split()[0]) >= 2, lines
 
 
-def test_an_empty_or_non_ascii_api_key_is_refused_at_start_in_one_line(run):
-    for key in ("", "clé-secrète", "two words"):
-        result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
-                                 "--api-key", key], capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert result.returncode == 2 and result.stdout == ""
-        assert result.stderr.strip().splitlines() == [
+# ------------------------------------------------------------------------------ refused at start
+
+# `plainformer serve ARGV` for each case of argv[1] (JSON {case: ARGV}), one after another in this one process,
+# file descriptors 1 and 2 of each its own: {case: [exit status, stdout, stderr]} on stdout at the end.
+REFUSALS_CHILD = r"""
+import json, os, sys, tempfile
+from plainformer.cli import main
+
+def serve(argv):
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        kept = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(["serve", *argv])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(kept[0], 1)
+            os.dup2(kept[1], 2)
+        out.seek(0)
+        err.seek(0)
+        return [code, out.read(), err.read()]
+
+print(json.dumps({case: serve(argv) for case, argv in json.loads(sys.argv[1]).items()}))
+"""
+API_KEYS = ("", "clé-secrète", "two words")
+BAD_PREFIX_CACHE_SIZES = ("-1", "ten", "nan", "inf")
+TOO_LARGE_PREFIX_CACHES = [
+    ("1e30", None, r"--prefix-cache-mb 1e\+30 is more than the [\d.]+ [kMGT]B available once the model is loaded: at "
+                   r"most \d+ \(--max-memory SIZE to allow more\)$"),
+    ("1" * 26, None, r"--prefix-cache-mb 1\.11111e\+25 is more than the [\d.]+ [kMGT]B available"),
+    ("2000", "1GB", r"--prefix-cache-mb 2000 is more than the 1\.0 GB allowed once the model is loaded: at most 1000$"),
+]
+BERT_FLAGS = [["--pooling", "last"], ["--quantize", "int8"]]
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> Iterator[int]:
+    """A loopback port another socket listens on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        yield taken.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def refusals(run, taken_port, tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """{case: (exit status, stdout, stderr)} of `plainformer serve` refusing to start, every case in one child."""
+    cases = {f"--api-key {key}": ["--ckpt", str(run), "--port", "0", "--api-key", key] for key in API_KEYS}
+    cases["port in use"] = ["--ckpt", str(run), "--port", str(taken_port)]
+    cases["missing model"] = ["--ckpt", str(tmp_path_factory.mktemp("missing") / "nothing"), "--port", "0"]
+    cases.update({f"bert {flag[0]}": ["--ckpt", "minilm", "--port", "0", *flag] for flag in BERT_FLAGS})
+    cases.update({f"--prefix-cache-mb={value}": ["--ckpt", str(run), "--port", "0", f"--prefix-cache-mb={value}"]
+                  for value in BAD_PREFIX_CACHE_SIZES})
+    for value, limit, _ in TOO_LARGE_PREFIX_CACHES:
+        limited = [] if limit is None else [f"--max-memory={limit}"]
+        cases[f"--prefix-cache-mb={value} {limit}"] = ["--ckpt", str(run), "--port", "0", f"--prefix-cache-mb={value}",
+                                                       *limited]
+    child = subprocess.run([sys.executable, "-c", REFUSALS_CHILD, json.dumps(cases)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 0 and child.stderr == "", child.stderr[-3000:]
+    return {case: tuple(result) for case, result in json.loads(child.stdout).items()}
+
+
+def test_an_empty_or_non_ascii_api_key_is_refused_at_start_in_one_line(refusals):
+    for key in API_KEYS:
+        code, out, err = refusals[f"--api-key {key}"]
+        assert code == 2 and out == ""
+        assert err.strip().splitlines() == [
             "plainformer: error: argument --api-key: expected printable ASCII without spaces, which an HTTP header "
             "can carry (see `plainformer serve --help`)"]
 
 
-def test_a_port_in_use_is_one_line(run):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", str(port)],
-                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [
-        f"plainformer: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+def test_a_port_in_use_is_one_line(refusals, taken_port):
+    code, out, err = refusals["port in use"]
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        f"plainformer: error: cannot listen on 127.0.0.1:{taken_port}: Address already in use"]
 
 
-def test_a_missing_model_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(tmp_path / "nothing"),
-                             "--port", "0"], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+def test_a_missing_model_is_one_line(refusals):
+    code, _, err = refusals["missing model"]
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
 
 
 def test_listening_beyond_loopback_without_a_key_is_warned_once(run):
@@ -216,12 +273,11 @@ def test_an_int8_server_answers_as_sample_quantized_does(run, capsys):
     assert capsys.readouterr().out == "To be" + text + "\n"
 
 
-@pytest.mark.parametrize("flag", [["--pooling", "last"], ["--quantize", "int8"]])
-def test_a_gpts_flag_given_with_a_bert_is_one_line(flag):
-    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", "minilm", "--port", "0", *flag],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [
+@pytest.mark.parametrize("flag", BERT_FLAGS)
+def test_a_gpts_flag_given_with_a_bert_is_one_line(flag, refusals):
+    code, out, err = refusals[f"bert {flag[0]}"]
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
         f"plainformer: error: {flag[0]} is for a GPT; minilm holds a BERT, which embeds as plainformer embed does "
         "(mean pooling)"]
 
@@ -274,28 +330,18 @@ def test_16_concurrent_requests_equal_their_solo_answers_with_and_without_the_pr
             assert max(abs(a - b) for a, b in zip(logprobs, solo_logprobs, strict=True)) <= 1e-5
 
 
-@pytest.mark.parametrize("value", ["-1", "ten", "nan", "inf"])
-def test_a_bad_prefix_cache_size_is_refused_in_one_line(run, value):
-    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
-                             f"--prefix-cache-mb={value}"], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2 and result.stdout == ""
-    lines = result.stderr.strip().splitlines()
+@pytest.mark.parametrize("value", BAD_PREFIX_CACHE_SIZES)
+def test_a_bad_prefix_cache_size_is_refused_in_one_line(value, refusals):
+    code, out, err = refusals[f"--prefix-cache-mb={value}"]
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plainformer: error: argument --prefix-cache-mb:"), lines
     assert "finite number >= 0" in lines[0]
 
 
-@pytest.mark.parametrize("value, limit, message", [
-    ("1e30", None, r"--prefix-cache-mb 1e\+30 is more than the [\d.]+ [kMGT]B available once the model is loaded: at "
-                   r"most \d+ \(--max-memory SIZE to allow more\)$"),
-    ("1" * 26, None, r"--prefix-cache-mb 1\.11111e\+25 is more than the [\d.]+ [kMGT]B available"),
-    ("2000", "1GB", r"--prefix-cache-mb 2000 is more than the 1\.0 GB allowed once the model is loaded: at most 1000$"),
-])
-def test_a_prefix_cache_larger_than_the_memory_is_refused_in_one_line(run, value, limit, message):
-    limited = [] if limit is None else [f"--max-memory={limit}"]
-    result = subprocess.run([sys.executable, "-m", "plainformer", "serve", "--ckpt", str(run), "--port", "0",
-                             f"--prefix-cache-mb={value}", *limited], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2 and result.stdout == ""
-    lines = result.stderr.strip().splitlines()
+@pytest.mark.parametrize("value, limit, message", TOO_LARGE_PREFIX_CACHES)
+def test_a_prefix_cache_larger_than_the_memory_is_refused_in_one_line(value, limit, message, refusals):
+    code, out, err = refusals[f"--prefix-cache-mb={value} {limit}"]
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and re.match("plainformer: error: " + message, lines[0]), lines

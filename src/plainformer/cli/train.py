@@ -191,6 +191,7 @@ def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentPars
     recipe = _shown_recipe(verb, argv)
     family = families.get(recipe.family)
     fine_tuning = recipe.model is None
+    shaped = [recipe.shaped_for(shape.min_gflops)[1] for shape in recipe.shapes]  # once, not once a field
     parser = _Parser(prog=prog, usage=verb.usage, formatter_class=_Formatter,
                      description=textwrap.fill(f"{verb.description} {_shown_note(verb, recipe)}", _width(),
                                                break_on_hyphens=False),
@@ -213,11 +214,11 @@ def verb_parser(verb: Verb, prog: str, argv: list[str]) -> argparse.ArgumentPars
     else:
         model = parser.add_argument_group(f"model: {family.config.__name__} fields (an optional one takes none)")
         for key in model_fields_taken(family, False):
-            shown.add(_add(model, key, _field_help(family.config, key, _recipe_value(recipe, "model", key))))
+            shown.add(_add(model, key, _field_help(family.config, key, _recipe_value(recipe, shaped, "model", key))))
     training = parser.add_argument_group("training: TrainConfig fields (an optional one takes none)")
     for field in dataclasses.fields(TrainConfig):
         shown.add(_add(training, field.name, _field_help(TrainConfig, field.name,
-                                                          _recipe_value(recipe, "train", field.name))))
+                                                          _recipe_value(recipe, shaped, "train", field.name))))
     for key in sorted(recipe_keys() - shown - {"preset", "recipe", "out"}):
         _add(parser, key, argparse.SUPPRESS)  # read, so that the resolution refuses it naming where it applies
     parser.set_defaults(run=lambda args: run_train(args, verb.default_recipe, verb.fine_tuning))
@@ -333,10 +334,11 @@ def _described(text: str, choices: Sequence[str] | None, value: str | None) -> s
     return (f"{text} ({notes})" if notes else text).replace("%", "%%")
 
 
-def _recipe_value(recipe: Recipe, part: str, name: str) -> str:
+def _recipe_value(recipe: Recipe, shaped: Sequence[Recipe], part: str, name: str) -> str:
     """"recipe: VALUE", the value of field `name` of the recipe's `part` ("model" or "train"); of each of its
-    shapes where they differ ("recipe: 4 from 600 GFLOP/s, else 3")."""
-    values = [getattr(getattr(recipe.shaped_for(shape.min_gflops)[1], part), name) for shape in recipe.shapes]
+    shapes (`shaped`: the recipe shaped as each of `recipe.shapes` says) where they differ ("recipe: 4 from
+    600 GFLOP/s, else 3")."""
+    values = [getattr(getattr(each, part), name) for each in shaped]
     if len(set(values)) > 1:
         faster = [f"{_shown(value)} {recipe.rates_taking(shape)}"
                   for value, shape in zip(values, recipe.shapes, strict=True)]
