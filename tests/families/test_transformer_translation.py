@@ -106,14 +106,15 @@ def test_eval_scores_a_source_reference_pair_with_bleu_chrf_and_tokenized_bleu(r
 @pytest.mark.parametrize("damage, message", [
     ("misaligned", "train.de has 3,001 lines but"),
     ("no-val", "--val-data"),
+    ("no-data", "recipe 'multi30k-de-en' trains on your parallel data: give --data PREFIX and --val-data"),
 ])
 def test_bad_parallel_data_is_one_line_exit_2_and_no_run_directory(data, capsys, tmp_path, damage, message):
     train, val = data
     if damage == "misaligned":
         train = _slice(tmp_path, "train", 3000, extra=("", "an empty source"))
         (tmp_path / "train.en").write_text("just one line\n")
-    argv = ["train", "--preset", "multi30k-de-en", "--data", str(train), "--out", str(tmp_path / "run"),
-            "--no-progress", *TINY]
+    data_flags = [] if damage == "no-data" else ["--data", str(train)]
+    argv = ["train", "--recipe", "multi30k-de-en", *data_flags, "--out", str(tmp_path / "run"), "--no-progress", *TINY]
     status, lines, err = _run(capsys, *argv, *(["--val-data", str(val)] if damage != "no-val" else []))
     assert status == 2 and not lines and len(err.strip().splitlines()) == 1 and message in err
     assert not (tmp_path / "run").exists()

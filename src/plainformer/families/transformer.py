@@ -42,7 +42,8 @@ def train(run: Run) -> dict[str, Any]:
     if run.options.get("data") is not None:
         return train_translation(run)
     if not run.options.get("task"):
-        raise UserError(f"preset {run.preset!r} trains on --data (parallel data) or --task; give one")
+        raise UserError(f"recipe {run.preset!r} trains on your parallel data: give --data PREFIX and --val-data "
+                        "PREFIX (PREFIX.SRC and PREFIX.TGT files, a .tsv or a .jsonl), or a built-in --task")
     task_name = run.options["task"]
     start = time.perf_counter()
     task = make_task(task_name)
