@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..files.atomic import atomic_path
+from ..files.atomic import write_files
 from ..files.json_file import read_json_object
 
 FORMAT_VERSION = 1
@@ -185,12 +185,7 @@ class Tokenizer(abc.ABC):
         files = self._files()
         if self.chat_template is not None:
             files[CHAT_TEMPLATE_FILE] = self.chat_template
-        for name, content in files.items():
-            with atomic_path(directory / name) as tmp:
-                if isinstance(content, bytes):
-                    tmp.write_bytes(content)
-                else:
-                    tmp.write_text(content, encoding="utf-8")
+        write_files(directory, files)
         return directory
 
     def __repr__(self) -> str:

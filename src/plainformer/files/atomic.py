@@ -23,7 +23,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -146,6 +146,16 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             _remove(tmp)
+
+
+def write_files(directory: Path, files: Mapping[str, str | bytes]) -> None:
+    """Write each of `files` (name -> text, as UTF-8, or bytes) into `directory`, each atomically."""
+    for name, content in files.items():
+        with atomic_path(directory / name) as tmp:
+            if isinstance(content, bytes):
+                tmp.write_bytes(content)
+            else:
+                tmp.write_text(content, encoding="utf-8")
 
 
 def _check_replaceable(tmp: Path, path: Path) -> None:

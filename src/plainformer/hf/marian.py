@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..data.tokenizers import MarianTokenizer, SentencePieceTokenizer, Tokenizer
-from ..files.atomic import atomic_path, reporting_full_disk
+from ..files.atomic import atomic_path, reporting_full_disk, write_files
 from ..models.transformer import Transformer, TransformerConfig
 from ..nn.positional import sinusoidal_table
 from .directory import SAFETENSORS, read_hf_config, read_sharded_hf_weights, write_hf_config
@@ -276,12 +276,7 @@ def _write_tokenizer(directory: Path, source: bytes, target: bytes, vocab: Mappi
         MarianTokenizer.SOURCE_FILE: source, MarianTokenizer.TARGET_FILE: target,
         MarianTokenizer.VOCAB_FILE: json.dumps(vocab, ensure_ascii=False, indent=1),
         TOKENIZER_CONFIG: json.dumps(settings, indent=1)}
-    for name, content in files.items():
-        with atomic_path(directory / name) as tmp:
-            if isinstance(content, bytes):
-                tmp.write_bytes(content)
-            else:
-                tmp.write_text(content, encoding="utf-8")
+    write_files(directory, files)
 
 
 def save_marian(model: Transformer, directory: str | os.PathLike, *, tokenizer: Tokenizer | None = None) -> Path:
